@@ -1,0 +1,1 @@
+//! headroom-loadtest: streaming clients that measure what users feel, load drivers and reports.

@@ -1,0 +1,9 @@
+//! headroom-sim: a GPU-free vLLM replica. It schedules like vLLM's v1 engine (token budget,
+//! chunked prefill, prefix cache, preemption), takes the time a roofline model says a real GPU
+//! would, and answers vLLM's HTTP API and metrics byte for byte where the shapes are known.
+
+pub mod core;
+pub mod kv;
+pub mod metrics;
+pub mod profile;
+pub mod timing;

@@ -1,0 +1,11 @@
+//! headroom-workload: what a request stream is and how it is measured. Shared by the simulator,
+//! the proxy and the load tester; depends on neither pingora nor the other headroom crates.
+
+pub mod blocks;
+pub mod openai;
+pub mod sse;
+pub mod tokenizer;
+pub mod words;
+
+pub use blocks::{BlockHash, BlockHasher};
+pub use tokenizer::Tokenizer;

@@ -1,0 +1,191 @@
+//! Server-sent events: a writer for `data:` events and an incremental parser that keeps only the
+//! current unfinished line and event, never the whole stream.
+//!
+//! The parser follows the WHATWG event-stream rules that matter for LLM streams: lines end in
+//! `\n`, `\r\n` or `\r` (a `\r\n` split across two chunks is still one line end), a blank line
+//! dispatches the event, several `data:` lines join with `\n`, one space after the colon is dropped,
+//! `:` lines are comments, and an event with no data is not dispatched.
+
+/// The payload that ends an OpenAI-compatible stream.
+pub const DONE: &str = "[DONE]";
+
+/// Appends one `data:` event to `out`. `data` must not contain a line break (JSON never does).
+pub fn write_data(out: &mut Vec<u8>, data: &str) {
+    debug_assert!(!data.contains(['\n', '\r']), "SSE data with a line break");
+    out.extend_from_slice(b"data: ");
+    out.extend_from_slice(data.as_bytes());
+    out.extend_from_slice(b"\n\n");
+}
+
+/// One dispatched event.
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
+pub struct SseEvent {
+    /// The `event:` field, when one was given.
+    pub event: Option<String>,
+    /// The `data:` lines joined with `\n`.
+    pub data: String,
+    /// The `id:` field, when one was given.
+    pub id: Option<String>,
+}
+
+impl SseEvent {
+    /// Whether this is the `[DONE]` sentinel.
+    pub fn is_done(&self) -> bool {
+        self.data == DONE
+    }
+}
+
+/// Incremental SSE parser. Feed it bytes as they arrive; it returns the events they complete.
+#[derive(Debug, Default)]
+pub struct SseParser {
+    line: Vec<u8>,
+    /// The previous chunk ended in `\r`: a `\n` at the start of the next one belongs to it.
+    after_cr: bool,
+    pending: SseEvent,
+    has_data: bool,
+}
+
+impl SseParser {
+    /// A parser at the start of a stream.
+    pub fn new() -> Self {
+        Self::default()
+    }
+
+    /// Parses `chunk`, calling `on_event` for each event it completes.
+    pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent)) {
+        let mut rest = chunk;
+        if self.after_cr {
+            self.after_cr = false;
+            if let [b'\n', tail @ ..] = rest {
+                rest = tail;
+            }
+        }
+        while let Some(i) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+            let line_end = rest[i];
+            let piece = &rest[..i];
+            rest = &rest[i + 1..];
+            if line_end == b'\r' {
+                match rest.first() {
+                    Some(b'\n') => rest = &rest[1..],
+                    None => self.after_cr = true,
+                    _ => {}
+                }
+            }
+            if self.line.is_empty() {
+                self.process_line(piece, &mut on_event);
+            } else {
+                self.line.extend_from_slice(piece);
+                let line = std::mem::take(&mut self.line);
+                self.process_line(&line, &mut on_event);
+                self.line = line;
+                self.line.clear();
+            }
+        }
+        self.line.extend_from_slice(rest);
+    }
+
+    /// Convenience for tests and tools: parse `chunk` and collect its events.
+    pub fn feed_collect(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
+        let mut out = Vec::new();
+        self.feed(chunk, |e| out.push(e));
+        out
+    }
+
+    /// Bytes held while waiting for a line end (bounded by the longest line, not the stream).
+    pub fn buffered(&self) -> usize {
+        self.line.len() + self.pending.data.len()
+    }
+
+    fn process_line(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent)) {
+        if line.is_empty() {
+            if self.has_data {
+                self.has_data = false;
+                on_event(std::mem::take(&mut self.pending));
+            } else {
+                self.pending = SseEvent::default();
+            }
+            return;
+        }
+        if line[0] == b':' {
+            return;
+        }
+        let (field, value) = match line.iter().position(|&b| b == b':') {
+            Some(i) => {
+                let v = &line[i + 1..];
+                (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
+            }
+            None => (line, &b""[..]),
+        };
+        let value = String::from_utf8_lossy(value);
+        match field {
+            b"data" => {
+                if self.has_data {
+                    self.pending.data.push('\n');
+                }
+                self.pending.data.push_str(&value);
+                self.has_data = true;
+            }
+            b"event" => self.pending.event = Some(value.into_owned()),
+            b"id" => self.pending.id = Some(value.into_owned()),
+            _ => {}
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parse_all(chunks: &[&[u8]]) -> Vec<SseEvent> {
+        let mut p = SseParser::new();
+        chunks.iter().flat_map(|c| p.feed_collect(c)).collect()
+    }
+
+    fn data(events: &[SseEvent]) -> Vec<&str> {
+        events.iter().map(|e| e.data.as_str()).collect()
+    }
+
+    #[test]
+    fn writer_output_parses_back() {
+        let mut out = Vec::new();
+        write_data(&mut out, r#"{"a":1}"#);
+        write_data(&mut out, DONE);
+        assert_eq!(out, b"data: {\"a\":1}\n\ndata: [DONE]\n\n");
+        let events = parse_all(&[&out]);
+        assert_eq!(data(&events), vec![r#"{"a":1}"#, "[DONE]"]);
+        assert!(events[1].is_done());
+    }
+
+    #[test]
+    fn every_split_point_gives_the_same_events() {
+        let stream = b"data: one\r\n\r\n: comment\n\nevent: x\ndata: two\ndata: lines\r\rdata:three\n\nid: 9\n\n";
+        let whole = parse_all(&[stream]);
+        assert_eq!(data(&whole), vec!["one", "two\nlines", "three"]);
+        assert_eq!(whole[1].event.as_deref(), Some("x"));
+        for i in 0..=stream.len() {
+            for j in i..=stream.len() {
+                let parts = [&stream[..i], &stream[i..j], &stream[j..]];
+                assert_eq!(parse_all(&parts), whole, "split at {i},{j}");
+            }
+        }
+    }
+
+    #[test]
+    fn byte_at_a_time_keeps_only_the_open_line() {
+        let mut p = SseParser::new();
+        let mut n = 0;
+        for _ in 0..1000 {
+            for b in b"data: {\"x\":\"0123456789\"}\n\n" {
+                p.feed(std::slice::from_ref(b), |_| n += 1);
+                assert!(p.buffered() < 64);
+            }
+        }
+        assert_eq!(n, 1000);
+    }
+
+    #[test]
+    fn unterminated_event_is_not_dispatched() {
+        assert!(parse_all(&[b"data: partial"]).is_empty());
+        assert!(parse_all(&[b"data: partial\n"]).is_empty());
+    }
+}
