@@ -1,3 +1,81 @@
 //! The `headroom` command line: parses, dispatches to the crates, sets the exit code.
 
-fn main() {}
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+mod demo;
+
+/// headroom: a reverse proxy that keeps vLLM fleets below the knee, and the tools to prove it.
+#[derive(Debug, Parser)]
+#[command(name = "headroom", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Debug, Subcommand)]
+enum Command {
+    /// Run GPU-free simulated vLLM replicas (API, metrics, scheduler and timing of vLLM 0.33).
+    Sim(Box<headroom_sim::SimArgs>),
+    /// Start simulated replicas, drive a workload through them and print what users felt.
+    Demo(demo::DemoArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("error: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result = runtime.block_on(async {
+        match cli.command {
+            Command::Sim(args) => run_sim(*args).await,
+            Command::Demo(args) => demo::run(args).await,
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("error: {e:#}");
+            ExitCode::FAILURE
+        }
+    }
+}
+
+async fn run_sim(args: headroom_sim::SimArgs) -> anyhow::Result<()> {
+    if args.table {
+        print!("{}", headroom_sim::cli::knee_table(&args, 2300)?);
+        return Ok(());
+    }
+    let fleet = headroom_sim::start_fleet(&args).await?;
+    for r in &fleet {
+        println!("{}", r.url());
+    }
+    eprintln!(
+        "headroom sim: {} replica(s) serving {} — Ctrl-C to stop",
+        fleet.len(),
+        args.served_model_name
+            .as_deref()
+            .or(args.model.as_deref())
+            .unwrap_or(&args.profile)
+    );
+    tokio::signal::ctrl_c().await?;
+    eprintln!("headroom sim: stopping");
+    for r in fleet {
+        r.shutdown().await?;
+    }
+    Ok(())
+}

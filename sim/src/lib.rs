@@ -2,8 +2,16 @@
 //! chunked prefill, prefix cache, preemption), takes the time a roofline model says a real GPU
 //! would, and answers vLLM's HTTP API and metrics byte for byte where the shapes are known.
 
+pub mod api;
+pub mod cli;
 pub mod core;
+pub mod engine;
+pub mod faults;
 pub mod kv;
+pub mod kv_events;
 pub mod metrics;
 pub mod profile;
+pub mod server;
 pub mod timing;
+
+pub use cli::{RunningReplica, SimArgs, start_fleet, start_replica};

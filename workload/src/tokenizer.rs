@@ -148,13 +148,11 @@ fn word_or_symbol(s: &str, leading_space: bool) -> usize {
         return start + c0.len_utf8();
     }
     let mut end = c0.len_utf8();
-    let mut n = 1;
-    for (i, c) in it {
-        if !c.is_alphanumeric() || n == MAX_WORD_CHARS {
+    for (i, c) in it.take(MAX_WORD_CHARS - 1) {
+        if !c.is_alphanumeric() {
             break;
         }
         end = i + c.len_utf8();
-        n += 1;
     }
     start + end
 }
