@@ -164,6 +164,10 @@ pub struct SimArgs {
     /// vLLM's --kv-events-config JSON: publish KV cache events over ZMQ.
     #[arg(long)]
     pub kv_events_config: Option<String>,
+    /// Keep engine threads at normal priority instead of asking for real-time scheduling
+    /// (which keeps steps on time on a busy machine; needs root or CAP_SYS_NICE).
+    #[arg(long)]
+    pub no_realtime_engine: bool,
     /// Print the decode-batch table (step time, tokens/s, KV share of bytes) and exit.
     #[arg(long)]
     pub table: bool,
@@ -470,7 +474,7 @@ impl SimArgs {
             Some(c) => Some(start_publisher(&c, index)?),
             None => None,
         };
-        let engine = Engine::start(core, sink, &index.to_string());
+        let engine = Engine::start(core, sink, &index.to_string(), !self.no_realtime_engine);
         let mut faults = Faults {
             stall_first: self.stall_first_ms.map(Duration::from_millis),
             stall_after: self.stall_after,
@@ -634,10 +638,27 @@ pub fn knee_table(args: &SimArgs, context: u64) -> anyhow::Result<String> {
     out.push_str(&format!(
         "\nMemory knee: the KV cache holds {memory_knee} sequences of {context} tokens; past that the engine preempts.\n"
     ));
+    let kv_equals_weights = (d.model.weight_read_bytes(d.weight_bytes)
+        / (d.model.kv_bytes_per_token(d.kv_bytes) * (context + 1) as f64))
+        .ceil();
+    out.push_str(&format!(
+        "KV reads overtake weight reads at a decode batch of about {kv_equals_weights}: beyond it, each added sequence costs its own KV bytes and tokens/s flattens.\n"
+    ));
+    // The weights-only ridge: the smallest uncached prefill chunk whose step is compute-bound.
+    let compute_bound = |c: u64| {
+        let mut s = StepShape::default();
+        s.add_prefill(c, 0);
+        let (flops, bytes) = r.work(&s);
+        flops / (r.compute_efficiency * d.gpu.flops) > bytes / (r.mem_efficiency * d.gpu.bandwidth)
+    };
+    let prefill_ridge = (1..=16_384).find(|&c| compute_bound(c));
+    if let Some(c) = prefill_ridge {
+        out.push_str(&format!("Compute ridge: a step turns compute-bound at about {c} new tokens (prefill chunks reach it).\n"));
+    }
     match ridge {
-        Some(b) => out.push_str(&format!("Compute ridge: decode becomes compute-bound at a batch of about {b}.\n")),
+        Some(b) => out.push_str(&format!("Decode at this context turns compute-bound at a batch of about {b}.\n")),
         None => out.push_str(
-            "Compute ridge: never reached by decode at this context: attention reads grow with the batch as fast as FLOPs do, so decode stays memory-bound and the KV cache, not compute, is the limit.\n",
+            "Decode at this context never reaches the ridge: its attention reads grow with the batch as fast as its FLOPs, so it stays memory-bound and the KV cache, not compute, is the limit.\n",
         ),
     }
     Ok(out)

@@ -7,6 +7,11 @@
 //! the small cost of the bookkeeping between steps never accumulates into drift. Requests and
 //! cancellations reach the thread through an inbox it drains at each step boundary, as vLLM's
 //! engine core picks up new requests between steps.
+//!
+//! On a busy machine a sleeping thread can wake milliseconds late, so the engine thread asks for
+//! the lowest real-time priority (SCHED_FIFO 1) when it may (root or CAP_SYS_NICE); it sleeps for
+//! nearly all of every step, so it takes little from other work. Refused, it runs as a normal
+//! thread and `headroom_sim_step_lateness_seconds` shows the cost.
 
 use std::collections::HashMap;
 use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
@@ -75,11 +80,13 @@ pub struct Engine {
 }
 
 impl Engine {
-    /// Starts the engine thread for `core`; KV events go to `kv_sink` when given.
+    /// Starts the engine thread for `core`; KV events go to `kv_sink` when given; `realtime` asks
+    /// for real-time scheduling of the thread.
     pub fn start(
         core: Core,
         kv_sink: Option<std::sync::mpsc::Sender<KvBatch>>,
         name: &str,
+        realtime: bool,
     ) -> Self {
         let shared = Arc::new(Shared {
             inbox: Mutex::new(Inbox::default()),
@@ -94,7 +101,12 @@ impl Engine {
         };
         let thread = std::thread::Builder::new()
             .name(format!("engine-{name}"))
-            .spawn(move || run(&shared, core, kv_sink))
+            .spawn(move || {
+                if realtime {
+                    raise_priority();
+                }
+                run(&shared, core, kv_sink);
+            })
             .expect("spawning the engine thread");
         Self {
             handle,
@@ -259,6 +271,25 @@ fn run(shared: &Shared, mut core: Core, kv_sink: Option<std::sync::mpsc::Sender<
         }
         publish(&mut core, kv_sink.as_ref());
         timeline = Some(deadline);
+    }
+}
+
+/// Asks for SCHED_FIFO at its lowest priority; stays a normal thread if refused.
+fn raise_priority() {
+    #[cfg(target_os = "linux")]
+    {
+        use thread_priority::unix::{
+            RealtimeThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
+            thread_native_id,
+        };
+        let policy = ThreadSchedulePolicy::Realtime(RealtimeThreadSchedulePolicy::Fifo);
+        if let Err(e) = set_thread_priority_and_policy(
+            thread_native_id(),
+            thread_priority::ThreadPriority::Min,
+            policy,
+        ) {
+            tracing::debug!("engine thread stays at normal priority (real-time refused: {e:?})");
+        }
     }
 }
 
