@@ -268,14 +268,14 @@ async fn publish_loop(
     buffer_steps: usize,
 ) {
     let mut publisher = zeromq::PubSocket::new();
-    let opened = if bind {
-        publisher.bind(&endpoint).await.map(drop)
-    } else {
-        publisher.connect(&endpoint).await
-    };
-    if let Err(e) = opened {
-        let _ = ready.send(Err(anyhow::anyhow!("KV events endpoint {endpoint}: {e}")));
-        return;
+    // A bound endpoint must be ours at start; a connected one may come up later (libzmq connects
+    // lazily too), so connecting is retried in the loop below and nothing is sent until it holds.
+    let mut connected = bind;
+    if bind {
+        if let Err(e) = publisher.bind(&endpoint).await {
+            let _ = ready.send(Err(anyhow::anyhow!("KV events endpoint {endpoint}: {e}")));
+            return;
+        }
     }
     let mut router = None;
     if let Some((replay_endpoint, _)) = replay {
@@ -301,8 +301,13 @@ async fn publish_loop(
     });
     let mut buffer: VecDeque<(u64, bytes::Bytes)> = VecDeque::new();
     let mut seq = 0u64;
+    let mut retry = tokio::time::interval(std::time::Duration::from_millis(250));
     loop {
         tokio::select! {
+            _ = retry.tick(), if !connected => {
+                let attempt = tokio::time::timeout(std::time::Duration::from_millis(200), publisher.connect(&endpoint));
+                connected = matches!(attempt.await, Ok(Ok(())));
+            }
             batch = async_rx.recv() => {
                 let Some((ts, events)) = batch else { return };
                 let payload = bytes::Bytes::from(encode_batch(ts, &events, 0, legacy));
@@ -310,7 +315,9 @@ async fn publish_loop(
                 msg.push_back(bytes::Bytes::copy_from_slice(&seq.to_be_bytes()));
                 msg.push_back(payload.clone());
                 // A PUB socket drops messages nobody subscribed to; errors only mean no peers.
-                let _ = publisher.send(msg).await;
+                if connected {
+                    let _ = publisher.send(msg).await;
+                }
                 buffer.push_back((seq, payload));
                 if buffer.len() > buffer_steps {
                     buffer.pop_front();
