@@ -10,7 +10,11 @@ use serde_json::json;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -24,19 +28,38 @@ async fn stored_blocks_are_published_with_request_side_hashes() {
     sub.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
     sub.subscribe("").await.unwrap();
     let args = SimArgs::from_flags([
-        "--latency-model", "constant", "--time-to-first-token", "2", "--inter-token-latency", "1",
-        "--max-model-len", "4096", "--kv-events-config", &config.to_string(),
+        "--latency-model",
+        "constant",
+        "--time-to-first-token",
+        "2",
+        "--inter-token-latency",
+        "1",
+        "--max-model-len",
+        "4096",
+        "--kv-events-config",
+        &config.to_string(),
     ])
     .unwrap();
-    let r = start_replica(args.build_replica(0).unwrap(), "127.0.0.1:0".parse().unwrap()).await.unwrap();
+    let r = start_replica(
+        args.build_replica(0).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
 
     // The publisher connects asynchronously: send until the subscriber hears something.
     let prompt: Vec<u32> = (0..40).collect();
     let client = reqwest::Client::new();
     let message = loop {
-        client.post(format!("{}/v1/completions", r.url()))
+        client
+            .post(format!("{}/v1/completions", r.url()))
             .json(&json!({"prompt": prompt, "max_tokens": 1}))
-            .send().await.unwrap().text().await.unwrap();
+            .send()
+            .await
+            .unwrap()
+            .text()
+            .await
+            .unwrap();
         if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
             break m;
         }
@@ -47,21 +70,36 @@ async fn stored_blocks_are_published_with_request_side_hashes() {
     let seq = u64::from_be_bytes(frames[1][..].try_into().unwrap());
     let batch: rmpv::Value = rmpv::decode::read_value(&mut &frames[2][..]).unwrap();
     let events = batch[1].as_array().unwrap();
-    let stored = events.iter().find(|e| e["type"].as_str() == Some("BlockStored")).expect("a BlockStored event");
-    let hashes: Vec<u64> = stored["block_hashes"].as_array().unwrap().iter().map(|h| h.as_u64().unwrap()).collect();
+    let stored = events
+        .iter()
+        .find(|e| e["type"].as_str() == Some("BlockStored"))
+        .expect("a BlockStored event");
+    let hashes: Vec<u64> = stored["block_hashes"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_u64().unwrap())
+        .collect();
     assert_eq!(hashes, BlockHasher::new(16, 0).hash_all(&prompt, b""));
     assert_eq!(stored["block_size"].as_u64(), Some(16));
     assert_eq!(stored["token_ids"].as_array().unwrap().len(), 32);
 
     // Replay from the first sequence number: at least this batch, then the end marker.
     let mut dealer = zeromq::DealerSocket::new();
-    dealer.connect(&format!("tcp://127.0.0.1:{replay_port}")).await.unwrap();
+    dealer
+        .connect(&format!("tcp://127.0.0.1:{replay_port}"))
+        .await
+        .unwrap();
     let mut ask = ZmqMessage::from(Vec::<u8>::new());
     ask.push_back(0u64.to_be_bytes().to_vec().into());
     dealer.send(ask).await.unwrap();
     let mut seen = Vec::new();
     loop {
-        let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv()).await.unwrap().unwrap().into_vec();
+        let reply = tokio::time::timeout(Duration::from_secs(5), dealer.recv())
+            .await
+            .unwrap()
+            .unwrap()
+            .into_vec();
         let s = &reply[reply.len() - 2];
         if s[..] == [0xFF; 8] {
             assert!(reply.last().unwrap().is_empty());
