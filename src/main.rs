@@ -20,6 +20,13 @@ enum Command {
     Sim(Box<headroom_sim::SimArgs>),
     /// Start simulated replicas, drive a workload through them and print what users felt.
     Demo(demo::DemoArgs),
+    /// Replay a trace against a target and measure what users would feel, with the contract.
+    Replay(Box<headroom_loadtest::cli::ReplayArgs>),
+    /// Import public traces or synthesize traces from workload contracts.
+    Trace {
+        #[command(subcommand)]
+        command: headroom_loadtest::cli::TraceCommand,
+    },
 }
 
 fn main() -> ExitCode {
@@ -44,6 +51,8 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Sim(args) => run_sim(*args).await,
             Command::Demo(args) => demo::run(args).await,
+            Command::Replay(args) => headroom_loadtest::cli::run_replay(*args).await.map(drop),
+            Command::Trace { command } => headroom_loadtest::cli::run_trace(command),
         }
     });
     match result {

@@ -1,6 +1,14 @@
-//! One request against an OpenAI-compatible endpoint, timed from the client's side as the
-//! benchmark tools define it: TTFT to the first event that carries output (a role-only chunk is
-//! not output), inter-token latency between later output events, E2E to the end of the stream.
+//! One request against an OpenAI-compatible endpoint, timed from the client's side with vLLM
+//! `bench serve`'s definitions (docs/measurement.md):
+//!
+//! | number | definition |
+//! |---|---|
+//! | start | just before the POST |
+//! | TTFT | arrival of the first SSE message whose `choices` is non-empty (a chat role chunk counts) |
+//! | ITL | gaps between consecutive such messages: per chunk, not per token |
+//! | E2EL | last such message − start (the trailing usage chunk is excluded) |
+//! | TPOT | (E2EL − TTFT) / (output tokens − 1), only when output tokens > 1 |
+//! | output tokens | `usage.completion_tokens` (else the count of token-bearing messages) |
 
 use std::time::{Duration, Instant};
 
@@ -8,63 +16,108 @@ use futures_util::StreamExt;
 use headroom_workload::sse::SseParser;
 use serde_json::Value;
 
+/// What went wrong with a request, by kind.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum Failure {
+    /// No HTTP response (connect, reset, timeout before headers).
+    Transport(String),
+    /// A non-2xx status, with the start of the body.
+    Status(u16, String),
+    /// A `data: {"error": …}` event inside the stream.
+    ErrorEvent(String),
+    /// The stream ended (or broke) without `[DONE]`.
+    Cut(String),
+}
+
+impl Failure {
+    /// Short kind name for counting (`transport`, `status_503`, `error_event`, `cut`).
+    pub fn kind(&self) -> String {
+        match self {
+            Self::Transport(_) => "transport".into(),
+            Self::Status(s, _) => format!("status_{s}"),
+            Self::ErrorEvent(_) => "error_event".into(),
+            Self::Cut(_) => "cut".into(),
+        }
+    }
+}
+
+impl std::fmt::Display for Failure {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            Self::Transport(e) => write!(f, "transport: {e}"),
+            Self::Status(s, body) => write!(f, "status {s}: {body}"),
+            Self::ErrorEvent(e) => write!(f, "error event: {e}"),
+            Self::Cut(e) => write!(f, "stream cut: {e}"),
+        }
+    }
+}
+
 /// What one request did, as the client saw it.
 #[derive(Debug, Clone, Default)]
 pub struct Timing {
     /// HTTP status (0 when no response arrived).
     pub status: u16,
-    /// Why it failed, if it did (transport error, error status, error event, cut stream).
-    pub error: Option<String>,
-    /// Time to the first output-bearing event.
+    /// Why it failed, if it did.
+    pub failure: Option<Failure>,
+    /// Time to the first message with non-empty `choices`.
     pub ttft: Option<Duration>,
-    /// Gaps between consecutive output-bearing events.
+    /// Gaps between consecutive token-bearing messages.
     pub itl: Vec<Duration>,
-    /// Time to the end of the response.
+    /// Time to the last token-bearing message (E2EL), or to the failure.
     pub e2e: Duration,
-    /// `usage.prompt_tokens` as reported.
+    /// `usage.prompt_tokens` as reported (0 without usage).
     pub prompt_tokens: u64,
-    /// `usage.completion_tokens` as reported (or output events counted, without usage).
+    /// `usage.completion_tokens` (or token-bearing messages counted, without usage).
     pub completion_tokens: u64,
-    /// The target URL it was sent to.
+    /// The URL it was sent to.
     pub target: String,
 }
 
 impl Timing {
     /// Completed without error.
     pub fn ok(&self) -> bool {
-        self.error.is_none()
+        self.failure.is_none()
     }
 
-    /// Time per output token after the first: (E2E − TTFT) / (tokens − 1).
+    /// (E2EL − TTFT) / (output tokens − 1), when output tokens > 1.
     pub fn tpot(&self) -> Option<Duration> {
         let ttft = self.ttft?;
         (self.completion_tokens > 1)
-            .then(|| (self.e2e - ttft) / (self.completion_tokens - 1) as u32)
+            .then(|| self.e2e.saturating_sub(ttft) / (self.completion_tokens - 1) as u32)
     }
 }
 
-/// Whether an SSE payload carries generated output (chat `delta.content` or completions `text`).
-fn has_output(v: &Value) -> bool {
-    let Some(choice) = v.get("choices").and_then(|c| c.get(0)) else {
-        return false;
-    };
-    let text = choice
-        .get("text")
-        .or_else(|| choice.get("delta").and_then(|d| d.get("content")));
-    text.and_then(Value::as_str).is_some_and(|s| !s.is_empty())
+/// Whether an SSE payload is a token-bearing message: non-empty `choices`.
+fn has_choices(v: &Value) -> bool {
+    v.get("choices")
+        .and_then(Value::as_array)
+        .is_some_and(|c| !c.is_empty())
 }
 
-/// Sends `body` (which must ask for `stream: true`) to `url` and times the stream.
-pub async fn send_streaming(client: &reqwest::Client, url: &str, body: &Value) -> Timing {
+/// Sends the JSON `body` (already serialized; it must ask for `stream: true`) to `url` with
+/// `headers`, and times the stream.
+pub async fn send_streaming_with(
+    client: &reqwest::Client,
+    url: &str,
+    body: bytes::Bytes,
+    headers: &[(&str, &str)],
+) -> Timing {
     let start = Instant::now();
     let mut t = Timing {
         target: url.to_owned(),
         ..Timing::default()
     };
-    let resp = match client.post(url).json(body).send().await {
+    let mut req = client
+        .post(url)
+        .header(reqwest::header::CONTENT_TYPE, "application/json")
+        .body(body);
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
-            t.error = Some(format!("transport: {e}"));
+            t.failure = Some(Failure::Transport(e.to_string()));
             t.e2e = start.elapsed();
             return t;
         }
@@ -72,24 +125,20 @@ pub async fn send_streaming(client: &reqwest::Client, url: &str, body: &Value) -
     t.status = resp.status().as_u16();
     if !resp.status().is_success() {
         let text = resp.text().await.unwrap_or_default();
-        t.error = Some(format!(
-            "status {}: {}",
-            t.status,
-            text.chars().take(200).collect::<String>()
-        ));
+        t.failure = Some(Failure::Status(t.status, text.chars().take(300).collect()));
         t.e2e = start.elapsed();
         return t;
     }
     let mut parser = SseParser::new();
     let mut stream = resp.bytes_stream();
-    let mut last_output: Option<Instant> = None;
-    let mut outputs = 0u64;
+    let mut last: Option<Instant> = None;
+    let mut messages = 0u64;
     let mut done = false;
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
             Err(e) => {
-                t.error = Some(format!("stream cut: {e}"));
+                t.failure.get_or_insert(Failure::Cut(e.to_string()));
                 break;
             }
         };
@@ -103,7 +152,8 @@ pub async fn send_streaming(client: &reqwest::Client, url: &str, body: &Value) -
                 return;
             };
             if let Some(err) = v.get("error") {
-                t.error = Some(format!("error event: {err}"));
+                t.failure
+                    .get_or_insert(Failure::ErrorEvent(err.to_string()));
             }
             if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
                 t.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(t.prompt_tokens);
@@ -111,22 +161,28 @@ pub async fn send_streaming(client: &reqwest::Client, url: &str, body: &Value) -
                     .as_u64()
                     .unwrap_or(t.completion_tokens);
             }
-            if has_output(&v) {
-                outputs += 1;
-                match last_output {
+            if has_choices(&v) {
+                messages += 1;
+                match last {
                     None => t.ttft = Some(now - start),
                     Some(prev) => t.itl.push(now - prev),
                 }
-                last_output = Some(now);
+                last = Some(now);
             }
         });
     }
-    t.e2e = start.elapsed();
+    t.e2e = last.map_or_else(|| start.elapsed(), |l| l - start);
     if t.completion_tokens == 0 {
-        t.completion_tokens = outputs;
+        t.completion_tokens = messages;
     }
-    if t.error.is_none() && !done {
-        t.error = Some("stream ended without [DONE]".to_owned());
+    if t.failure.is_none() && !done {
+        t.failure = Some(Failure::Cut("ended without [DONE]".into()));
     }
     t
+}
+
+/// [`send_streaming_with`] for a JSON value, without extra headers.
+pub async fn send_streaming(client: &reqwest::Client, url: &str, body: &Value) -> Timing {
+    let bytes = bytes::Bytes::from(serde_json::to_vec(body).unwrap_or_default());
+    send_streaming_with(client, url, bytes, &[]).await
 }

@@ -44,7 +44,7 @@ pub async fn run(
                 {
                     Ok(t) => t,
                     Err(_) => Timing {
-                        error: Some("timed out".into()),
+                        failure: Some(crate::client::Failure::Transport("timed out".into())),
                         target: url.clone(),
                         ..Timing::default()
                     },

@@ -1,7 +1,11 @@
 //! headroom-loadtest: streaming clients that measure what users feel, load drivers and reports.
 
+pub mod cli;
 pub mod client;
 pub mod closed_loop;
+pub mod contracts;
 pub mod open_loop;
+pub mod replay;
+pub mod report;
 pub mod stats;
 pub mod synth;

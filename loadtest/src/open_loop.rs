@@ -57,7 +57,9 @@ pub async fn run(
     let mut out = Vec::with_capacity(handles.len());
     for h in handles {
         out.push(h.await.unwrap_or_else(|e| Timing {
-            error: Some(format!("task failed: {e}")),
+            failure: Some(crate::client::Failure::Transport(format!(
+                "task failed: {e}"
+            ))),
             ..Timing::default()
         }));
     }

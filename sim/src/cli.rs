@@ -343,6 +343,12 @@ impl SimArgs {
             }
             Ok(Duration::from_secs_f64(v / 1e3))
         };
+        if !(self.time_factor_under_load.is_finite() && self.time_factor_under_load >= 1.0) {
+            bail!(
+                "--time-factor-under-load must be at least 1 (1 = no slowdown), got {}",
+                self.time_factor_under_load
+            );
+        }
         if !(0.0..=0.3).contains(&self.latency_jitter) {
             bail!(
                 "--latency-jitter must be in 0..=0.3 (a fraction of the mean), got {}",
@@ -467,7 +473,7 @@ impl SimArgs {
             cache_dtype: self.kv_cache_dtype.clone(),
             enable_prefix_caching: cfg.enable_prefix_caching,
         };
-        let metrics = Metrics::new(&served, self.legacy_metric_names, &info);
+        let metrics = Metrics::new(&served, self.legacy_metric_names, &info, max_model_len);
         let seed = self.seed.wrapping_add(index as u64);
         let core = Core::new(cfg, timer, seed, metrics);
         let sink = match kv_events {

@@ -347,10 +347,11 @@ impl Core {
                 seq.num_computed = hit_tokens;
                 if seq.cached_tokens.is_none() {
                     seq.cached_tokens = Some(hit_tokens);
-                    self.metrics
-                        .prefix_queries
-                        .inc_by(u64::from(seq.num_tokens()));
-                    self.metrics.prefix_hits.inc_by(u64::from(hit_tokens));
+                    if self.cfg.enable_prefix_caching {
+                        let queried = u64::from(seq.num_tokens());
+                        self.metrics.prefix_queries.inc_by(queried);
+                        self.metrics.prefix_hits.inc_by(u64::from(hit_tokens));
+                    }
                 }
                 self.running.push(key);
                 self.add_to_shape(&mut shape, key, n);
@@ -364,6 +365,7 @@ impl Core {
             return None;
         }
         shape.running = self.running.len() as u64;
+        self.update_gauges();
         let duration = self.timer.step_time(&shape, &mut self.rng);
         self.metrics.iteration_tokens.observe(shape.tokens as f64);
         Some(Step {
@@ -421,7 +423,12 @@ impl Core {
             } else {
                 None
             };
-            let text = spaced_word(word as u64);
+            // An EOS token detokenizes to nothing: the last chunk of a `stop` carries "".
+            let text = if finish == Some(FinishReason::Stop) {
+                ""
+            } else {
+                spaced_word(word as u64)
+            };
             match finish {
                 Some(reason) => {
                     self.running.retain(|&k| k != key);
@@ -581,7 +588,12 @@ mod tests {
             enable_prefix_caching: true,
         };
         let timer = StepTimer::Roofline(Roofline::new(Deployment::preset("8b", "h100").unwrap()));
-        Core::new(cfg, timer, 0, Metrics::new("m", false, &info))
+        Core::new(
+            cfg,
+            timer,
+            0,
+            Metrics::new("m", false, &info, max_model_len),
+        )
     }
 
     fn request(key: u64, prompt: Vec<u32>, max_tokens: u32) -> NewRequest {
@@ -641,7 +653,7 @@ mod tests {
     }
 
     #[test]
-    fn lone_request_timing_matches_the_roofline_reference() {
+    fn lone_request_ttft_and_decode_steps_follow_the_roofline() {
         let mut c = core(28_000, 131_072);
         let out = run(
             &mut c,
@@ -773,6 +785,8 @@ mod tests {
         );
         assert_eq!(out[&1].len(), 4);
         assert_eq!(out[&1][3].finish, Some(FinishReason::Stop));
+        assert_eq!(out[&1][3].text, "", "EOS carries no text");
+        assert_eq!(out[&1][3].completion_tokens, 4, "but counts as a token");
         assert_eq!(out[&2].len(), 9);
     }
 

@@ -14,7 +14,7 @@
 //! thread and `headroom_sim_step_lateness_seconds` shows the cost.
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicU64, AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Condvar, Mutex, MutexGuard};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant};
@@ -55,7 +55,20 @@ struct Shared {
     next_key: AtomicU64,
     /// Requests the core has waiting plus those still in the inbox (for the queue cap).
     waiting: AtomicUsize,
+    /// Set when the engine thread has exited (shut down or panicked): the replica is dead.
+    dead: AtomicBool,
     epoch: Instant,
+}
+
+/// Marks the engine dead when its thread ends, however it ends, and closes every request still
+/// in the inbox so no handler waits for an engine that is gone.
+struct DeadOnExit<'a>(&'a Shared);
+
+impl Drop for DeadOnExit<'_> {
+    fn drop(&mut self) {
+        self.0.dead.store(true, Ordering::SeqCst);
+        self.0.inbox().submits.clear();
+    }
 }
 
 impl Shared {
@@ -93,6 +106,7 @@ impl Engine {
             wake: Condvar::new(),
             next_key: AtomicU64::new(1),
             waiting: AtomicUsize::new(0),
+            dead: AtomicBool::new(false),
             epoch: Instant::now(),
         });
         let handle = EngineHandle {
@@ -102,8 +116,10 @@ impl Engine {
         let thread = std::thread::Builder::new()
             .name(format!("engine-{name}"))
             .spawn(move || {
-                if realtime {
-                    raise_priority();
+                if realtime && !headroom_workload::realtime::raise_current_thread() {
+                    tracing::debug!(
+                        "engine thread stays at normal priority (real-time scheduling refused)"
+                    );
                 }
                 run(&shared, core, kv_sink);
             })
@@ -170,6 +186,11 @@ impl EngineHandle {
         self.shared.next_key.fetch_add(1, Ordering::Relaxed)
     }
 
+    /// Whether the engine thread is still running.
+    pub fn is_alive(&self) -> bool {
+        !self.shared.dead.load(Ordering::SeqCst)
+    }
+
     /// Requests waiting for a slot (engine queue and not yet picked up).
     pub fn waiting(&self) -> usize {
         self.shared.waiting.load(Ordering::Relaxed) + self.shared.inbox().submits.len()
@@ -184,7 +205,9 @@ impl EngineHandle {
     pub fn submit(&self, req: NewRequest) -> Submission {
         let (tx, rx) = mpsc::unbounded_channel();
         let key = req.key;
-        self.shared.inbox().submits.push((req, Instant::now(), tx));
+        if self.is_alive() {
+            self.shared.inbox().submits.push((req, Instant::now(), tx));
+        }
         self.shared.wake.notify_one();
         Submission {
             key,
@@ -205,6 +228,7 @@ impl EngineHandle {
 }
 
 fn run(shared: &Shared, mut core: Core, kv_sink: Option<std::sync::mpsc::Sender<KvBatch>>) {
+    let _dead_on_exit = DeadOnExit(shared);
     let mut senders: HashMap<u64, mpsc::UnboundedSender<Output>> = HashMap::new();
     let mut outputs = Vec::new();
     let mut gone = Vec::new();
@@ -229,7 +253,10 @@ fn run(shared: &Shared, mut core: Core, kv_sink: Option<std::sync::mpsc::Sender<
         }
         shared.waiting.store(core.num_waiting(), Ordering::Relaxed);
 
-        let Some(step) = core.schedule() else {
+        let step = core.schedule();
+        // Requests admitted by this step are no longer waiting.
+        shared.waiting.store(core.num_waiting(), Ordering::Relaxed);
+        let Some(step) = step else {
             timeline = None;
             publish(&mut core, kv_sink.as_ref());
             let mut inbox = shared.inbox();
@@ -271,25 +298,6 @@ fn run(shared: &Shared, mut core: Core, kv_sink: Option<std::sync::mpsc::Sender<
         }
         publish(&mut core, kv_sink.as_ref());
         timeline = Some(deadline);
-    }
-}
-
-/// Asks for SCHED_FIFO at its lowest priority; stays a normal thread if refused.
-fn raise_priority() {
-    #[cfg(target_os = "linux")]
-    {
-        use thread_priority::unix::{
-            RealtimeThreadSchedulePolicy, ThreadSchedulePolicy, set_thread_priority_and_policy,
-            thread_native_id,
-        };
-        let policy = ThreadSchedulePolicy::Realtime(RealtimeThreadSchedulePolicy::Fifo);
-        if let Err(e) = set_thread_priority_and_policy(
-            thread_native_id(),
-            thread_priority::ThreadPriority::Min,
-            policy,
-        ) {
-            tracing::debug!("engine thread stays at normal priority (real-time refused: {e:?})");
-        }
     }
 }
 

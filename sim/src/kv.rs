@@ -8,7 +8,8 @@
 //! | usage = 1 − free / (num_gpu_blocks − 1); cached blocks nobody uses count as free | `get_usage` |
 //! | a freed request returns its blocks tail first, so its last blocks are evicted first | `free_blocks(reversed(...))` |
 //! | a prefix hit takes a cached block back off the free list | `touch` |
-//! | a cached block loses its hash only when its slot is reallocated → `BlockRemoved` | `_maybe_evict_cached_block` |
+//! | a cached block loses its hash only when its slot is reallocated → one `BlockRemoved` per block | `_maybe_evict_cached_block` |
+//! | several blocks may hold the same hash (a prompt whose last full block was recomputed); a hit takes any | `cached_block_hash_to_block` |
 
 use std::collections::HashMap;
 
@@ -58,7 +59,8 @@ pub struct BlockPool {
     head: BlockId,
     tail: BlockId,
     num_free: usize,
-    cached: HashMap<BlockHash, BlockId>,
+    /// Every block holding each hash (usually one).
+    cached: HashMap<BlockHash, Vec<BlockId>>,
     events: Vec<KvEvent>,
     record_events: bool,
 }
@@ -109,8 +111,8 @@ impl BlockPool {
         1.0 - self.num_free as f64 / self.capacity() as f64
     }
 
-    /// Blocks currently holding a cached hash.
-    pub fn cached_blocks(&self) -> usize {
+    /// Distinct hashes currently cached.
+    pub fn cached_hashes(&self) -> usize {
         self.cached.len()
     }
 
@@ -118,7 +120,7 @@ impl BlockPool {
     pub fn lookup_prefix(&self, hashes: &[BlockHash]) -> Vec<BlockId> {
         hashes
             .iter()
-            .map_while(|h| self.cached.get(h).copied())
+            .map_while(|h| self.cached.get(h).and_then(|ids| ids.first().copied()))
             .collect()
     }
 
@@ -146,24 +148,25 @@ impl BlockPool {
             return None;
         }
         let mut out = Vec::with_capacity(n);
-        let mut evicted = Vec::new();
         for _ in 0..n {
             let id = self.head;
             self.unlink(id);
             let block = &mut self.blocks[id as usize];
             block.refs = 1;
             if let Some(h) = block.hash.take() {
-                if self.cached.get(&h) == Some(&id) {
-                    self.cached.remove(&h);
-                    evicted.push(h);
+                if let Some(ids) = self.cached.get_mut(&h) {
+                    ids.retain(|&b| b != id);
+                    if ids.is_empty() {
+                        self.cached.remove(&h);
+                    }
+                }
+                if self.record_events {
+                    self.events.push(KvEvent::BlockRemoved {
+                        block_hashes: vec![h],
+                    });
                 }
             }
             out.push(id);
-        }
-        if self.record_events && !evicted.is_empty() {
-            self.events.push(KvEvent::BlockRemoved {
-                block_hashes: evicted,
-            });
         }
         Some(out)
     }
@@ -184,7 +187,7 @@ impl BlockPool {
                 continue;
             }
             block.hash = Some(h);
-            self.cached.entry(h).or_insert(id);
+            self.cached.entry(h).or_default().push(id);
             stored.push(h);
         }
         if self.record_events && !stored.is_empty() {
@@ -305,6 +308,29 @@ mod tests {
                 block_hashes: vec![11]
             }
         );
+    }
+
+    #[test]
+    fn duplicate_hashes_stay_hittable_until_every_copy_is_evicted() {
+        let mut pool = BlockPool::new(4, true);
+        let a = pool.allocate(1).unwrap();
+        let b = pool.allocate(1).unwrap();
+        pool.cache_blocks(&a, &[7], None, &[0; 4], 4);
+        pool.cache_blocks(&b, &[7], None, &[0; 4], 4);
+        pool.release(a.clone());
+        pool.release(b.clone());
+        pool.take_events();
+        // Free list: 3, a, b. Taking two evicts a; b still serves the hash.
+        pool.allocate(2).unwrap();
+        assert_eq!(pool.lookup_prefix(&[7]), b);
+        pool.allocate(1).unwrap();
+        assert!(pool.lookup_prefix(&[7]).is_empty());
+        let removed: Vec<_> = pool
+            .take_events()
+            .into_iter()
+            .filter(|e| matches!(e, KvEvent::BlockRemoved { .. }))
+            .collect();
+        assert_eq!(removed.len(), 2, "one BlockRemoved per evicted block");
     }
 
     #[test]

@@ -171,7 +171,14 @@ impl Builder {
 
 impl Metrics {
     /// A fresh registry for one replica serving `model_name`.
-    pub fn new(model_name: &str, legacy_names: bool, cache: &CacheInfo) -> Self {
+    /// `max_model_len` bounds the request token-count buckets, as vLLM's do.
+    pub fn new(
+        model_name: &str,
+        legacy_names: bool,
+        cache: &CacheInfo,
+        max_model_len: u32,
+    ) -> Self {
+        let token_buckets = buckets_1_2_5(u64::from(max_model_len));
         let b = Builder {
             registry: Registry::new(),
             labels: vec![
@@ -303,12 +310,12 @@ impl Metrics {
             request_prompt_tokens: b.histogram(
                 "vllm:request_prompt_tokens",
                 "Number of prefill tokens processed.",
-                &buckets_1_2_5(u64::MAX / 100),
+                &token_buckets,
             ),
             request_generation_tokens: b.histogram(
                 "vllm:request_generation_tokens",
                 "Number of generation tokens processed.",
-                &buckets_1_2_5(u64::MAX / 100),
+                &token_buckets,
             ),
             iteration_tokens: b.histogram(
                 "vllm:iteration_tokens_total",
@@ -374,7 +381,7 @@ mod tests {
 
     #[test]
     fn exposition_uses_vllm_names_labels_and_buckets() {
-        let m = Metrics::new("m", false, &info());
+        let m = Metrics::new("m", false, &info(), 4096);
         m.ttft.observe(0.003);
         let text = m.render();
         assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"m\",le=\"0.005\"} 1"), "{text}");
@@ -388,7 +395,7 @@ mod tests {
 
     #[test]
     fn legacy_names_replace_the_renamed_families() {
-        let text = Metrics::new("m", true, &info()).render();
+        let text = Metrics::new("m", true, &info(), 4096).render();
         for old in [
             "vllm:gpu_cache_usage_perc",
             "vllm:gpu_prefix_cache_hits_total",

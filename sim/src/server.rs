@@ -27,6 +27,8 @@ use crate::faults::{Faults, injected_error};
 
 /// The vLLM version the simulator answers as.
 pub const VLLM_VERSION: &str = "0.33.0";
+/// Largest request body accepted (a 131k-token prompt as text is a few MB).
+const MAX_BODY_BYTES: usize = 256 << 20;
 /// Llama 3's `<|begin_of_text|>`, prepended to text completion prompts as its tokenizer does.
 const BOS: u32 = 128_000;
 
@@ -127,6 +129,8 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        // vLLM bounds prompts by tokens (a 400 with its message), not bodies by bytes.
+        .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(replica)
 }
 
@@ -335,6 +339,14 @@ async fn generate(
     body: Bytes,
 ) -> Result<Response, ApiError> {
     let faults = request_faults(&r, &headers)?;
+    if !r.engine.is_alive() {
+        return Err(ApiError {
+            status: 500,
+            kind: "InternalServerError",
+            message: "The engine has stopped.".into(),
+            param: None,
+        });
+    }
     if r.cold() {
         return Err(ApiError::injected(503));
     }
@@ -393,6 +405,21 @@ async fn generate(
         }
     }
 
+    let min_tokens = params.min_tokens.unwrap_or(0);
+    if min_tokens < 0 {
+        return Err(ApiError::bad_request(
+            format!("min_tokens must be greater than or equal to 0, got {min_tokens}."),
+            Some("min_tokens"),
+        ));
+    }
+    if min_tokens > i64::from(max_tokens) {
+        return Err(ApiError::bad_request(
+            format!(
+                "min_tokens must be less than or equal to max_tokens={max_tokens}, got {min_tokens}."
+            ),
+            Some("min_tokens"),
+        ));
+    }
     let seed = params.seed.map_or_else(|| r.random_u64(), |s| s as u64);
     let mean = f64::from(s.mean_output_tokens.max(1));
     let u = (xxhash_rust::xxh3::xxh3_64_with_seed(b"length", seed) as f64 + 1.0)
@@ -403,10 +430,7 @@ async fn generate(
         key,
         prompt,
         max_tokens,
-        min_tokens: params
-            .min_tokens
-            .unwrap_or(0)
-            .clamp(0, i64::from(max_tokens)) as u32,
+        min_tokens: min_tokens as u32,
         ignore_eos: params.ignore_eos,
         natural_len,
         seed,
@@ -616,7 +640,7 @@ async fn models(State(r): State<Arc<Replica>>) -> Response {
 }
 
 async fn health(State(r): State<Arc<Replica>>) -> StatusCode {
-    if r.cold() {
+    if r.cold() || !r.engine.is_alive() {
         StatusCode::SERVICE_UNAVAILABLE
     } else {
         StatusCode::OK

@@ -154,7 +154,7 @@ impl Variation {
                 t = normal.sample(rng).clamp(0.3 * t, 1.7 * t);
             }
         }
-        Duration::from_secs_f64(t)
+        Duration::try_from_secs_f64(t.max(0.0)).unwrap_or(Duration::MAX)
     }
 }
 

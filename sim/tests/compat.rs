@@ -318,6 +318,64 @@ async fn errors_have_vllm_bodies_and_statuses() {
 }
 
 #[tokio::test]
+async fn stop_ends_with_an_empty_eos_chunk_and_min_tokens_is_validated() {
+    let r = replica(&["--mean-output-tokens", "2"]).await;
+    let ev = events(
+        post(
+            &r,
+            "/v1/completions",
+            json!({"prompt": "hi", "max_tokens": 500, "stream": true, "seed": 1}),
+        )
+        .await,
+    )
+    .await;
+    let last: Value = serde_json::from_str(&ev[ev.len() - 2]).unwrap();
+    assert_eq!(last["choices"][0]["finish_reason"], "stop");
+    assert_eq!(last["choices"][0]["text"], "");
+    assert!(ev.len() - 1 < 500, "stopped early: {} chunks", ev.len() - 1);
+
+    let resp = post(
+        &r,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 5, "min_tokens": 6}),
+    )
+    .await;
+    assert_eq!(resp.status(), 400);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(
+        v["error"]["message"],
+        "min_tokens must be less than or equal to max_tokens=5, got 6. (parameter=min_tokens)"
+    );
+}
+
+#[tokio::test]
+async fn queue_cap_counts_only_requests_really_waiting() {
+    let r = replica(&[
+        "--max-num-seqs",
+        "1",
+        "--max-num-queued-reqs",
+        "1",
+        "--time-to-first-token",
+        "300",
+    ])
+    .await;
+    let body = json!({"prompt": "hi", "max_tokens": 5, "ignore_eos": true, "stream": true});
+    let a = post(&r, "/v1/completions", body.clone()).await;
+    assert_eq!(a.status(), 200);
+    // Once A is admitted (its first step has begun), nothing waits: the next request is accepted.
+    for _ in 0..200 {
+        if metric(&r, "vllm:num_requests_running").await == 1.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(metric(&r, "vllm:num_requests_waiting").await, 0.0);
+    let b = post(&r, "/v1/completions", body.clone()).await;
+    assert_eq!(b.status(), 200, "an empty queue must not refuse");
+    drop((a, b));
+}
+
+#[tokio::test]
 async fn queue_cap_answers_503_with_vllms_message() {
     let r = replica(&[
         "--max-num-seqs",

@@ -47,10 +47,14 @@ async fn stored_blocks_are_published_with_request_side_hashes() {
     .await
     .unwrap();
 
-    // The publisher connects asynchronously: send until the subscriber hears something.
-    let prompt: Vec<u32> = (0..40).collect();
+    // The publisher connects lazily and PUB drops what is sent before the subscription arrives:
+    // send fresh prompts (each stores new blocks) until one batch is heard, within a bound.
     let client = reqwest::Client::new();
-    let message = loop {
+    let mut attempt = 0u32;
+    let (prompt, message) = loop {
+        attempt += 1;
+        assert!(attempt <= 100, "no KV event heard after 100 requests");
+        let prompt: Vec<u32> = (0..40).map(|i| i + attempt * 1000).collect();
         client
             .post(format!("{}/v1/completions", r.url()))
             .json(&json!({"prompt": prompt, "max_tokens": 1}))
@@ -61,7 +65,7 @@ async fn stored_blocks_are_published_with_request_side_hashes() {
             .await
             .unwrap();
         if let Ok(Ok(m)) = tokio::time::timeout(Duration::from_millis(200), sub.recv()).await {
-            break m;
+            break (prompt, m);
         }
     };
     let frames = message.into_vec();

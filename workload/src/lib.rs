@@ -3,8 +3,10 @@
 
 pub mod blocks;
 pub mod openai;
+pub mod realtime;
 pub mod sse;
 pub mod tokenizer;
+pub mod trace;
 pub mod words;
 
 pub use blocks::{BlockHash, BlockHasher};

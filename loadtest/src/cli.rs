@@ -1,0 +1,466 @@
+//! `headroom trace import|synth` and `headroom replay`: flags, the run's contract, progress output
+//! and the result files (JSON with the contract and every request, CSV, text).
+
+use std::fs::File;
+use std::io::{BufReader, BufWriter, IsTerminal};
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::Ordering;
+use std::time::Duration;
+
+use anyhow::{Context, bail};
+use clap::{Args, Subcommand, ValueEnum};
+use headroom_workload::trace::{self, TraceRecord};
+use serde_json::{Value, json};
+use sha2::Digest;
+
+use crate::contracts::{Contract, synthesize};
+use crate::replay::{self, Arrivals, Counters, ReplayOptions};
+use crate::report::{self, RequestRow, Slo};
+use crate::synth::Endpoint;
+
+/// Schema name of replay result files (docs/replay-results.md).
+pub const RESULT_SCHEMA: &str = "headroom.replay.v1";
+
+/// `headroom trace …`.
+#[derive(Debug, Subcommand)]
+pub enum TraceCommand {
+    /// Convert a public trace (Mooncake JSONL, Azure CSV, BurstGPT CSV) to a headroom trace.
+    Import(ImportArgs),
+    /// Generate a trace from a named workload contract.
+    Synth(SynthArgs),
+}
+
+/// Source formats `trace import` reads.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, ValueEnum)]
+pub enum SourceFormat {
+    /// Mooncake JSONL (also headroom's own traces).
+    Mooncake,
+    /// Azure LLM inference trace CSV (TIMESTAMP, ContextTokens, GeneratedTokens).
+    Azure,
+    /// BurstGPT CSV.
+    Burstgpt,
+}
+
+/// Flags of `headroom trace import`.
+#[derive(Debug, Args)]
+pub struct ImportArgs {
+    /// The source file.
+    pub input: PathBuf,
+    /// Its format.
+    #[arg(long, value_enum)]
+    pub format: SourceFormat,
+    /// Where to write the headroom trace (JSONL).
+    #[arg(long, short)]
+    pub output: PathBuf,
+    /// Keep only the first N requests.
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+}
+
+/// Flags of `headroom trace synth`.
+#[derive(Debug, Args)]
+pub struct SynthArgs {
+    /// The workload contract.
+    #[arg(long, value_enum)]
+    pub contract: Contract,
+    /// Requests to generate.
+    #[arg(long, default_value_t = 1000)]
+    pub requests: usize,
+    /// Mean arrival rate, requests per second (Poisson).
+    #[arg(long, default_value_t = 5.0)]
+    pub rate: f64,
+    /// Seed.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Where to write the trace (JSONL).
+    #[arg(long, short)]
+    pub output: PathBuf,
+}
+
+/// Reads a trace file in any supported format, guessing from the extension (`.csv`: Azure or
+/// BurstGPT by header; anything else: JSONL).
+pub fn read_trace(path: &Path, format: Option<SourceFormat>) -> anyhow::Result<Vec<TraceRecord>> {
+    let open = || -> anyhow::Result<BufReader<File>> {
+        Ok(BufReader::new(File::open(path).with_context(|| {
+            format!("opening trace {}", path.display())
+        })?))
+    };
+    let format = match format {
+        Some(f) => f,
+        None if path
+            .extension()
+            .is_some_and(|e| e.eq_ignore_ascii_case("csv")) =>
+        {
+            let head = std::fs::read_to_string(path)
+                .map(|s| s.lines().next().unwrap_or("").to_ascii_lowercase())?;
+            if head.contains("contexttokens") {
+                SourceFormat::Azure
+            } else {
+                SourceFormat::Burstgpt
+            }
+        }
+        None => SourceFormat::Mooncake,
+    };
+    let records = match format {
+        SourceFormat::Mooncake => trace::read_jsonl(open()?),
+        SourceFormat::Azure => trace::import_azure(open()?),
+        SourceFormat::Burstgpt => trace::import_burstgpt(open()?),
+    }
+    .with_context(|| format!("reading trace {}", path.display()))?;
+    if records.is_empty() {
+        bail!("trace {} holds no requests", path.display());
+    }
+    Ok(records)
+}
+
+fn write_trace(path: &Path, records: &[TraceRecord]) -> anyhow::Result<()> {
+    if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+        std::fs::create_dir_all(dir)?;
+    }
+    let file = File::create(path).with_context(|| format!("creating {}", path.display()))?;
+    trace::write_jsonl(BufWriter::new(file), records)?;
+    Ok(())
+}
+
+/// Runs `headroom trace …`.
+pub fn run_trace(cmd: TraceCommand) -> anyhow::Result<()> {
+    match cmd {
+        TraceCommand::Import(a) => {
+            let mut records = read_trace(&a.input, Some(a.format))?;
+            if let Some(n) = a.max_requests {
+                records.truncate(n);
+            }
+            write_trace(&a.output, &records)?;
+            eprintln!("wrote {} requests to {}", records.len(), a.output.display());
+        }
+        TraceCommand::Synth(a) => {
+            if a.requests == 0 || !a.rate.is_finite() || a.rate <= 0.0 {
+                bail!("--requests and --rate must be positive");
+            }
+            let records = synthesize(a.contract, a.requests, a.rate, a.seed);
+            write_trace(&a.output, &records)?;
+            eprintln!(
+                "wrote {} requests ({:?} contract, seed {}) to {}",
+                records.len(),
+                a.contract,
+                a.seed,
+                a.output.display()
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Flags of `headroom replay`.
+#[derive(Debug, Clone, Args)]
+pub struct ReplayArgs {
+    /// The trace (headroom/Mooncake JSONL, Azure or BurstGPT CSV).
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Base URL of the target (a proxy or an engine).
+    #[arg(long)]
+    pub target: String,
+    /// Endpoint the prompts are sent to.
+    #[arg(long, value_enum, default_value_t = Endpoint::Completions)]
+    pub endpoint: Endpoint,
+    /// `model` to send (default: the first model the target lists).
+    #[arg(long)]
+    pub model: Option<String>,
+    /// Replay at the trace's own timestamps, gaps multiplied by this (the default, at 1).
+    #[arg(long, conflicts_with_all = ["rate", "concurrency"])]
+    pub time_scale: Option<f64>,
+    /// Replay at this mean rate (requests/s) instead of the trace's timestamps.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub rate: Option<f64>,
+    /// Gamma shape of the gaps at --rate: 1 is Poisson, lower is burstier.
+    #[arg(long, default_value_t = 1.0)]
+    pub burstiness: f64,
+    /// Keep this many requests in flight instead (closed loop).
+    #[arg(long)]
+    pub concurrency: Option<usize>,
+    /// Stop sending after this many seconds.
+    #[arg(long)]
+    pub duration: Option<f64>,
+    /// Use only the first N requests of the trace (after sharding).
+    #[arg(long)]
+    pub max_requests: Option<usize>,
+    /// Leading requests whose numbers are discarded.
+    #[arg(long, default_value_t = 0)]
+    pub warmup: usize,
+    /// Goodput objectives, e.g. `ttft=400,tpot=50` (ms).
+    #[arg(long)]
+    pub slo: Option<String>,
+    /// This load generator's share of the trace: `i/n` keeps rows with index % n == i.
+    #[arg(long)]
+    pub shard: Option<String>,
+    /// Seed of arrivals and prompt text.
+    #[arg(long, default_value_t = 0)]
+    pub seed: u64,
+    /// Per-request timeout, seconds.
+    #[arg(long, default_value_t = 600.0)]
+    pub timeout: f64,
+    /// Free-text label of the hardware under test, recorded in the contract.
+    #[arg(long, default_value = "unspecified")]
+    pub hardware: String,
+    /// Directory for result.json, requests.csv and summary.txt.
+    #[arg(long, default_value = "results/replay")]
+    pub out: PathBuf,
+}
+
+fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
+    let (i, n) = s.split_once('/').context("--shard is i/n, e.g. 0/4")?;
+    let (i, n): (usize, usize) = (i.trim().parse()?, n.trim().parse()?);
+    if n == 0 || i >= n {
+        bail!("--shard {s}: need 0 <= i < n");
+    }
+    Ok((i, n))
+}
+
+async fn get_json(client: &reqwest::Client, url: &str) -> Option<Value> {
+    client
+        .get(url)
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .ok()?
+        .json()
+        .await
+        .ok()
+}
+
+/// Prefix-cache counters (queries, hits) summed over a Prometheus exposition, when present.
+pub fn prefix_counters(metrics: &str) -> Option<(f64, f64)> {
+    let sum = |names: &[&str]| -> Option<f64> {
+        let mut found = false;
+        let total = metrics
+            .lines()
+            .filter(|l| {
+                names
+                    .iter()
+                    .any(|n| l.starts_with(n) && l[n.len()..].starts_with(['{', ' ']))
+            })
+            .filter_map(|l| {
+                found = true;
+                l.rsplit(' ').next()?.parse::<f64>().ok()
+            })
+            .sum();
+        found.then_some(total)
+    };
+    Some((
+        sum(&[
+            "vllm:prefix_cache_queries_total",
+            "vllm:gpu_prefix_cache_queries_total",
+        ])?,
+        sum(&[
+            "vllm:prefix_cache_hits_total",
+            "vllm:gpu_prefix_cache_hits_total",
+        ])?,
+    ))
+}
+
+/// KV cache size in tokens from `vllm:cache_config_info`, when present.
+pub fn kv_cache_tokens(metrics: &str) -> Option<u64> {
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
+    let label = |name: &str| -> Option<u64> {
+        let start = line.find(&format!("{name}=\""))? + name.len() + 2;
+        line[start..].split('"').next()?.parse().ok()
+    };
+    Some(label("num_gpu_blocks")?.saturating_sub(1) * label("block_size")?)
+}
+
+async fn metrics_text(client: &reqwest::Client, base: &str) -> Option<String> {
+    client
+        .get(format!("{base}/metrics"))
+        .timeout(Duration::from_secs(10))
+        .send()
+        .await
+        .ok()?
+        .text()
+        .await
+        .ok()
+}
+
+/// Runs `headroom replay`; returns the path of the result JSON.
+pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
+    let mut records = read_trace(&a.trace, None)?;
+    let digest = hex(&sha2::Sha256::digest(std::fs::read(&a.trace)?));
+    let shard = a.shard.as_deref().map(parse_shard).transpose()?;
+    if let Some((i, n)) = shard {
+        records = records
+            .into_iter()
+            .enumerate()
+            .filter(|(k, _)| k % n == i)
+            .map(|(_, r)| r)
+            .collect();
+    }
+    if let Some(n) = a.max_requests {
+        records.truncate(n);
+    }
+    if records.is_empty() {
+        bail!("no requests left to replay after --shard/--max-requests");
+    }
+    let arrivals = match (a.concurrency, a.rate, a.time_scale) {
+        (Some(0), _, _) => bail!("--concurrency must be at least 1"),
+        (Some(n), _, _) => Arrivals::Concurrency(n),
+        (None, Some(r), _) if r > 0.0 && a.burstiness > 0.0 => Arrivals::Rate {
+            rate: r,
+            burstiness: a.burstiness,
+        },
+        (None, Some(_), _) => bail!("--rate and --burstiness must be positive"),
+        (None, None, Some(s)) if s > 0.0 => Arrivals::Trace { time_scale: s },
+        (None, None, Some(_)) => bail!("--time-scale must be positive"),
+        (None, None, None) => Arrivals::Trace { time_scale: 1.0 },
+    };
+    let slo = a
+        .slo
+        .as_deref()
+        .map(Slo::parse)
+        .transpose()
+        .map_err(|e| anyhow::anyhow!("--slo: {e}"))?;
+    let target = a.target.trim_end_matches('/').to_owned();
+    let client = reqwest::Client::new();
+    let models = get_json(&client, &format!("{target}/v1/models")).await;
+    let version = get_json(&client, &format!("{target}/version")).await;
+    let model = a.model.clone().or_else(|| {
+        models.as_ref()?["data"][0]["id"]
+            .as_str()
+            .map(str::to_owned)
+    });
+    let metrics_before = metrics_text(&client, &target).await;
+
+    let run_id = format!("hr{:08x}", rand::random::<u32>());
+    let opts = ReplayOptions {
+        target: target.clone(),
+        endpoint: a.endpoint,
+        model: model.clone(),
+        arrivals: arrivals.clone(),
+        duration: a.duration.map(Duration::from_secs_f64),
+        warmup: a.warmup,
+        seed: a.seed,
+        timeout: Duration::from_secs_f64(a.timeout),
+        run_id: run_id.clone(),
+    };
+    let lengths = |f: fn(&TraceRecord) -> u32| -> Value {
+        let mut v: Vec<f64> = records.iter().map(|r| f64::from(f(r))).collect();
+        serde_json::to_value(report::Dist::of(&mut v)).unwrap_or(Value::Null)
+    };
+    let contract = json!({
+        "trace": {"path": a.trace.display().to_string(), "sha256": digest, "requests": records.len(),
+                  "shard": a.shard, "max_requests": a.max_requests},
+        "load": match &arrivals {
+            Arrivals::Trace { time_scale } => json!({"mode": "trace timestamps", "time_scale": time_scale}),
+            Arrivals::Rate { rate, burstiness } => json!({"mode": "rate", "rate": rate, "burstiness": burstiness,
+                "process": if *burstiness == 1.0 { "poisson" } else { "gamma" }}),
+            Arrivals::Concurrency(n) => json!({"mode": "concurrency", "concurrency": n}),
+        },
+        "duration_s": a.duration, "warmup_requests": a.warmup,
+        "input_tokens": lengths(|r| r.input_length),
+        "output_tokens": lengths(|r| r.output_length),
+        "output_pinning": "max_tokens = output_length, ignore_eos",
+        "sampling": {"temperature": 0},
+        "endpoint": a.endpoint.path(), "stream": true,
+        "prompt_synthesis": "hash id -> seeded block of one-token words; template tokens counted (docs/replay.md)",
+        "seed": a.seed,
+        "slo": slo,
+        "target": {"url": target, "models": models, "version": version},
+        "model": model,
+        "hardware": a.hardware,
+        "tool": {"name": "headroom", "version": env!("CARGO_PKG_VERSION")},
+        "run_id": run_id,
+    });
+
+    let total = records.len();
+    eprintln!(
+        "headroom replay: {total} requests from {} against {target} ({})",
+        a.trace.display(),
+        contract["load"]
+    );
+    let counters = Arc::new(Counters::default());
+    let progress = spawn_progress(counters.clone(), total);
+    let results = replay::run(records.clone(), opts, counters).await;
+    progress.abort();
+    if std::io::stderr().is_terminal() {
+        eprintln!();
+    }
+
+    let summary = report::summarize(&results, slo);
+    let mut target_info = json!({});
+    if let (Some(before), Some(after)) = (
+        metrics_before.as_deref(),
+        metrics_text(&client, &target).await,
+    ) {
+        if let (Some((q0, h0)), Some((q1, h1))) = (prefix_counters(before), prefix_counters(&after))
+        {
+            let queries = q1 - q0;
+            target_info["prefix_cache_hit_rate"] = json!(if queries > 0.0 {
+                (h1 - h0) / queries
+            } else {
+                0.0
+            });
+        }
+        if let Some(tokens) = kv_cache_tokens(&after) {
+            target_info["kv_cache_tokens"] = json!(tokens);
+            let used: Vec<TraceRecord> = records.iter().take(results.len()).cloned().collect();
+            target_info["offline_prefix_hit_rate"] =
+                json!(trace::offline_prefix_hit_rate(&used, tokens));
+        }
+    }
+    let rows: Vec<RequestRow> = results.iter().map(RequestRow::from).collect();
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let result_path = a.out.join("result.json");
+    let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "requests": rows});
+    std::fs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
+    std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
+    let mut text = report::to_text(&summary);
+    if let Some(h) = target_info.get("prefix_cache_hit_rate") {
+        text.push_str(&format!(
+            "target prefix-cache hit rate: {:.1}%",
+            100.0 * h.as_f64().unwrap_or(0.0)
+        ));
+        if let Some(o) = target_info.get("offline_prefix_hit_rate") {
+            text.push_str(&format!(
+                " (offline from hash ids at the same cache size: {:.1}%)",
+                100.0 * o.as_f64().unwrap_or(0.0)
+            ));
+        }
+        text.push('\n');
+    }
+    std::fs::write(a.out.join("summary.txt"), &text)?;
+    print!("{text}");
+    eprintln!("headroom replay: results in {}", a.out.display());
+    Ok(result_path)
+}
+
+fn hex(bytes: &[u8]) -> String {
+    bytes.iter().map(|b| format!("{b:02x}")).collect()
+}
+
+fn spawn_progress(counters: Arc<Counters>, total: usize) -> tokio::task::JoinHandle<()> {
+    let tty = std::io::stderr().is_terminal();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_millis(if tty { 250 } else { 5000 }));
+        loop {
+            tick.tick().await;
+            let (sent, done, failed) = (
+                counters.sent.load(Ordering::Relaxed),
+                counters.done.load(Ordering::Relaxed),
+                counters.failed.load(Ordering::Relaxed),
+            );
+            let width = 30;
+            let filled = (done * width).checked_div(total).unwrap_or(0).min(width);
+            let bar = format!("[{}{}]", "#".repeat(filled), "-".repeat(width - filled));
+            let line = format!(
+                "{bar} {done}/{total} done, {} in flight, {failed} failed",
+                sent - done
+            );
+            if tty {
+                eprint!("\r{line}   ");
+            } else {
+                eprintln!("{line}");
+            }
+        }
+    })
+}

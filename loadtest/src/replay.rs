@@ -1,0 +1,478 @@
+//! Trace replay: turns trace records into requests and sends them open-loop (at the trace's own
+//! timestamps, or at a Poisson/gamma rate) or closed-loop (fixed concurrency).
+//!
+//! Open-loop sends are released by a dedicated OS thread that sleeps until each request's time and
+//! hands it to the async runtime: a late response never delays a later send (no coordinated
+//! omission), and a thread's sleep is accurate to tens of microseconds where the async timer
+//! rounds to milliseconds. Each request's actual send time is recorded beside its schedule.
+//!
+//! | arrivals | gap before request k |
+//! |---|---|
+//! | trace | `(timestamp_k − timestamp_0) · time_scale` |
+//! | rate R, burstiness b | Gamma(shape b, scale 1/(R·b)); b = 1 is Poisson (vLLM bench's definition) |
+//! | concurrency N | none: N clients, each sending when its last request ended |
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
+use std::time::{Duration, Instant};
+
+use headroom_workload::trace::TraceRecord;
+use rand::SeedableRng;
+use rand::rngs::StdRng;
+use rand_distr::{Distribution, Gamma};
+use serde_json::{Value, json};
+
+use crate::client::{Failure, Timing, send_streaming_with};
+use crate::synth::{Endpoint, prompt_for};
+
+/// How requests arrive.
+#[derive(Debug, Clone, PartialEq)]
+pub enum Arrivals {
+    /// At the trace's timestamps, stretched by `time_scale` (0.5 = twice as fast).
+    Trace {
+        /// Multiplier on the trace's gaps.
+        time_scale: f64,
+    },
+    /// At a mean rate with gamma-distributed gaps.
+    Rate {
+        /// Requests per second.
+        rate: f64,
+        /// Gamma shape: 1 is Poisson, below 1 burstier, above 1 smoother.
+        burstiness: f64,
+    },
+    /// A fixed number of requests in flight.
+    Concurrency(usize),
+}
+
+/// What to replay and how.
+#[derive(Debug, Clone)]
+pub struct ReplayOptions {
+    /// Base URL of the target.
+    pub target: String,
+    /// Endpoint the prompts are rendered for.
+    pub endpoint: Endpoint,
+    /// `model` sent with each request (None: omitted).
+    pub model: Option<String>,
+    /// Arrival process.
+    pub arrivals: Arrivals,
+    /// Stop sending after this long.
+    pub duration: Option<Duration>,
+    /// Leading requests whose numbers are discarded.
+    pub warmup: usize,
+    /// Seed of the arrival process and of the prompt text.
+    pub seed: u64,
+    /// Give up on a request after this long.
+    pub timeout: Duration,
+    /// Prefix of every `x-request-id`.
+    pub run_id: String,
+}
+
+/// One request's outcome with its place in the plan.
+#[derive(Debug, Clone)]
+pub struct RequestResult {
+    /// Row of the trace (after sharding and limits).
+    pub index: usize,
+    /// The `x-request-id` sent.
+    pub request_id: String,
+    /// Planned send time from the start of the run (open loop only).
+    pub scheduled: Option<Duration>,
+    /// Actual send time from the start of the run.
+    pub sent: Duration,
+    /// Discarded as warm-up.
+    pub warmup: bool,
+    /// Contracted prompt tokens.
+    pub input_length: u32,
+    /// Contracted output tokens.
+    pub output_length: u32,
+    /// What the client measured.
+    pub timing: Timing,
+}
+
+/// Live counts for a progress display.
+#[derive(Debug, Default)]
+pub struct Counters {
+    /// Sent so far.
+    pub sent: AtomicUsize,
+    /// Finished so far.
+    pub done: AtomicUsize,
+    /// Failed so far.
+    pub failed: AtomicUsize,
+}
+
+/// The request body for a record.
+pub fn body_for(record: &TraceRecord, opts: &ReplayOptions) -> Value {
+    let text = prompt_for(record, opts.endpoint, opts.seed);
+    let max_tokens = record.output_length.max(1);
+    let mut body = match opts.endpoint {
+        Endpoint::Chat => {
+            json!({"messages": [{"role": "user", "content": text}], "max_completion_tokens": max_tokens})
+        }
+        Endpoint::Completions => json!({"prompt": text, "max_tokens": max_tokens}),
+    };
+    let obj = body.as_object_mut().expect("a JSON object");
+    if let Some(m) = &opts.model {
+        obj.insert("model".into(), json!(m));
+    }
+    obj.insert("stream".into(), json!(true));
+    obj.insert("stream_options".into(), json!({"include_usage": true}));
+    obj.insert("ignore_eos".into(), json!(true));
+    obj.insert("temperature".into(), json!(0));
+    body
+}
+
+/// Planned send offsets for open-loop arrivals (None for closed loop).
+pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Option<Vec<Duration>> {
+    match arrivals {
+        Arrivals::Trace { time_scale } => {
+            let t0 = records.first().map_or(0, |r| r.timestamp);
+            Some(
+                records
+                    .iter()
+                    .map(|r| Duration::from_secs_f64((r.timestamp - t0) as f64 / 1e3 * time_scale))
+                    .collect(),
+            )
+        }
+        Arrivals::Rate { rate, burstiness } => {
+            let mut rng = StdRng::seed_from_u64(seed ^ 0x5EED_A77E);
+            let gamma = Gamma::new(*burstiness, 1.0 / (rate * burstiness)).ok()?;
+            let mut t = 0.0;
+            Some(
+                records
+                    .iter()
+                    .enumerate()
+                    .map(|(i, _)| {
+                        if i > 0 {
+                            t += gamma.sample(&mut rng);
+                        }
+                        Duration::from_secs_f64(t)
+                    })
+                    .collect(),
+            )
+        }
+        Arrivals::Concurrency(_) => None,
+    }
+}
+
+/// Bodies prepared ahead of their send time.
+const LOOKAHEAD: usize = 256;
+/// How long before its time a request is handed to the runtime.
+const EARLY_RELEASE: Duration = Duration::from_millis(2);
+
+struct Shared {
+    client: reqwest::Client,
+    url: String,
+    records: Vec<TraceRecord>,
+    opts: ReplayOptions,
+    counters: Arc<Counters>,
+    start: Instant,
+}
+
+/// The serialized body of request `index`.
+fn body_bytes(shared: &Shared, index: usize) -> bytes::Bytes {
+    bytes::Bytes::from(
+        serde_json::to_vec(&body_for(&shared.records[index], &shared.opts)).unwrap_or_default(),
+    )
+}
+
+/// Sends request `index` with its prepared body at its scheduled time (yielding until then, for at
+/// most [`EARLY_RELEASE`]); the send time is taken just before the POST.
+async fn send_one(
+    shared: Arc<Shared>,
+    index: usize,
+    scheduled: Option<Duration>,
+    body: bytes::Bytes,
+) -> RequestResult {
+    if let Some(at) = scheduled {
+        let when = shared.start + at;
+        while Instant::now() < when {
+            tokio::task::yield_now().await;
+        }
+    }
+    let record = &shared.records[index];
+    let request_id = format!("{}-{index}", shared.opts.run_id);
+    let sent = shared.start.elapsed();
+    shared.counters.sent.fetch_add(1, Ordering::Relaxed);
+    let timing = match tokio::time::timeout(
+        shared.opts.timeout,
+        send_streaming_with(
+            &shared.client,
+            &shared.url,
+            body,
+            &[("x-request-id", &request_id)],
+        ),
+    )
+    .await
+    {
+        Ok(t) => t,
+        Err(_) => Timing {
+            failure: Some(Failure::Transport(format!(
+                "no answer within {:?}",
+                shared.opts.timeout
+            ))),
+            e2e: shared.opts.timeout,
+            target: shared.url.clone(),
+            ..Timing::default()
+        },
+    };
+    if !timing.ok() {
+        shared.counters.failed.fetch_add(1, Ordering::Relaxed);
+    }
+    shared.counters.done.fetch_add(1, Ordering::Relaxed);
+    RequestResult {
+        index,
+        request_id,
+        scheduled,
+        sent,
+        warmup: index < shared.opts.warmup,
+        input_length: record.input_length,
+        output_length: record.output_length,
+        timing,
+    }
+}
+
+/// Replays `records` against the target; returns one result per request sent, in trace order.
+pub async fn run(
+    records: Vec<TraceRecord>,
+    opts: ReplayOptions,
+    counters: Arc<Counters>,
+) -> Vec<RequestResult> {
+    let concurrency = match opts.arrivals {
+        Arrivals::Concurrency(n) => n.max(1),
+        _ => 1024,
+    };
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(concurrency)
+        .build()
+        .unwrap_or_default();
+    let url = format!(
+        "{}{}",
+        opts.target.trim_end_matches('/'),
+        opts.endpoint.path()
+    );
+    let plan = schedule(&records, &opts.arrivals, opts.seed);
+    // Open-loop schedules start a moment after now, so the body builder is ahead from the first send.
+    let lead = if plan.is_some() {
+        Duration::from_millis(200)
+    } else {
+        Duration::ZERO
+    };
+    let shared = Arc::new(Shared {
+        client,
+        url,
+        records,
+        opts,
+        counters,
+        start: Instant::now() + lead,
+    });
+    let deadline = shared.opts.duration.map(|d| shared.start + d);
+    let mut results = match plan {
+        Some(offsets) => open_loop(shared.clone(), offsets, deadline).await,
+        None => closed_loop(shared.clone(), concurrency, deadline).await,
+    };
+    results.sort_by_key(|r| r.index);
+    results
+}
+
+async fn open_loop(
+    shared: Arc<Shared>,
+    offsets: Vec<Duration>,
+    deadline: Option<Instant>,
+) -> Vec<RequestResult> {
+    let (tx, mut rx) =
+        tokio::sync::mpsc::unbounded_channel::<tokio::task::JoinHandle<RequestResult>>();
+    let runtime = tokio::runtime::Handle::current();
+    // A builder thread prepares bodies ahead (bounded) so that bursts of simultaneous arrivals are
+    // released on time; the dispatcher thread only sleeps and releases.
+    let (ready_tx, ready_rx) =
+        std::sync::mpsc::sync_channel::<(usize, Duration, bytes::Bytes)>(LOOKAHEAD);
+    let builder = {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("replay-build".into())
+            .spawn(move || {
+                for (index, at) in offsets.into_iter().enumerate() {
+                    if deadline.is_some_and(|d| shared.start + at > d) {
+                        break;
+                    }
+                    if ready_tx
+                        .send((index, at, body_bytes(&shared, index)))
+                        .is_err()
+                    {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the replay body builder")
+    };
+    let dispatcher = {
+        let shared = shared.clone();
+        std::thread::Builder::new()
+            .name("replay-dispatch".into())
+            .spawn(move || {
+                // Refused without privileges; the send lateness in the summary shows the cost.
+                headroom_workload::realtime::raise_current_thread();
+                while let Ok((index, at, body)) = ready_rx.recv() {
+                    // Released a little early: waking a parked runtime worker can take longer than
+                    // the tolerance, so the task itself waits out the last stretch (send_one).
+                    let when = (shared.start + at)
+                        .checked_sub(EARLY_RELEASE)
+                        .unwrap_or(shared.start);
+                    let now = Instant::now();
+                    if when > now {
+                        std::thread::sleep(when - now);
+                    }
+                    let task = runtime.spawn(send_one(shared.clone(), index, Some(at), body));
+                    if tx.send(task).is_err() {
+                        break;
+                    }
+                }
+            })
+            .expect("spawning the replay dispatcher")
+    };
+    let mut handles = Vec::new();
+    while let Some(h) = rx.recv().await {
+        handles.push(h);
+    }
+    let _ = builder.join();
+    let _ = dispatcher.join();
+    let mut out = Vec::with_capacity(handles.len());
+    for h in handles {
+        if let Ok(r) = h.await {
+            out.push(r);
+        }
+    }
+    out
+}
+
+async fn closed_loop(
+    shared: Arc<Shared>,
+    concurrency: usize,
+    deadline: Option<Instant>,
+) -> Vec<RequestResult> {
+    let next = Arc::new(AtomicUsize::new(0));
+    let mut workers = Vec::new();
+    for _ in 0..concurrency {
+        let shared = shared.clone();
+        let next = next.clone();
+        workers.push(tokio::spawn(async move {
+            let mut out = Vec::new();
+            loop {
+                if deadline.is_some_and(|d| Instant::now() >= d) {
+                    break;
+                }
+                let index = next.fetch_add(1, Ordering::Relaxed);
+                if index >= shared.records.len() {
+                    break;
+                }
+                let body = body_bytes(&shared, index);
+                out.push(send_one(shared.clone(), index, None, body).await);
+            }
+            out
+        }));
+    }
+    let mut out = Vec::new();
+    for w in workers {
+        out.extend(w.await.unwrap_or_default());
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn recs(ts: &[u64]) -> Vec<TraceRecord> {
+        ts.iter()
+            .map(|&t| TraceRecord {
+                timestamp: t,
+                input_length: 10,
+                output_length: 2,
+                ..TraceRecord::default()
+            })
+            .collect()
+    }
+
+    #[test]
+    fn trace_arrivals_follow_timestamps_scaled() {
+        let s = schedule(
+            &recs(&[100, 100, 600, 1100]),
+            &Arrivals::Trace { time_scale: 0.5 },
+            0,
+        )
+        .unwrap();
+        assert_eq!(
+            s,
+            vec![
+                Duration::ZERO,
+                Duration::ZERO,
+                Duration::from_millis(250),
+                Duration::from_millis(500)
+            ]
+        );
+    }
+
+    #[test]
+    fn gamma_arrivals_have_the_asked_rate_and_burstiness() {
+        let records = recs(&vec![0; 20_001]);
+        let gaps = |b: f64| {
+            let s = schedule(
+                &records,
+                &Arrivals::Rate {
+                    rate: 50.0,
+                    burstiness: b,
+                },
+                7,
+            )
+            .unwrap();
+            let g: Vec<f64> = s.windows(2).map(|w| (w[1] - w[0]).as_secs_f64()).collect();
+            let mean = g.iter().sum::<f64>() / g.len() as f64;
+            let var = g.iter().map(|x| (x - mean).powi(2)).sum::<f64>() / g.len() as f64;
+            (mean, var.sqrt() / mean)
+        };
+        let (mean, cv) = gaps(1.0);
+        assert!((mean - 0.02).abs() < 0.001, "{mean}");
+        assert!((cv - 1.0).abs() < 0.05, "Poisson: cv 1, got {cv}");
+        let (_, bursty) = gaps(0.25);
+        assert!(
+            (bursty - 2.0).abs() < 0.15,
+            "gamma shape 0.25: cv 2, got {bursty}"
+        );
+        assert_eq!(schedule(&records[..3], &Arrivals::Concurrency(4), 0), None);
+    }
+
+    #[test]
+    fn bodies_pin_output_length_and_stream_usage() {
+        let r = TraceRecord {
+            input_length: 30,
+            output_length: 7,
+            hash_ids: vec![1],
+            ..TraceRecord::default()
+        };
+        let opts = ReplayOptions {
+            target: "http://x".into(),
+            endpoint: Endpoint::Chat,
+            model: Some("m".into()),
+            arrivals: Arrivals::Concurrency(1),
+            duration: None,
+            warmup: 0,
+            seed: 0,
+            timeout: Duration::from_secs(1),
+            run_id: "r".into(),
+        };
+        let b = body_for(&r, &opts);
+        assert_eq!(b["max_completion_tokens"], 7);
+        assert_eq!(b["ignore_eos"], true);
+        assert_eq!(b["stream_options"]["include_usage"], true);
+        assert_eq!(b["model"], "m");
+        let b = body_for(
+            &r,
+            &ReplayOptions {
+                endpoint: Endpoint::Completions,
+                model: None,
+                ..opts
+            },
+        );
+        assert_eq!(b["max_tokens"], 7);
+        assert!(b.get("model").is_none());
+    }
+}

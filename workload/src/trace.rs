@@ -1,0 +1,461 @@
+//! The headroom trace: one JSON object per line, a superset of Mooncake's
+//! (`timestamp` ms, `input_length`, `output_length`, `hash_ids`), so public tools replay it and
+//! headroom's own captures carry what they measured. Never prompt text. Importers turn Mooncake JSONL,
+//! Azure LLM inference CSV and BurstGPT CSV into it. Field reference: docs/trace-format.md.
+
+use std::io::{BufRead, Write};
+
+use serde::{Deserialize, Serialize};
+
+/// Tokens per hash id in Mooncake traces (and the default for headroom's).
+pub const MOONCAKE_BLOCK_TOKENS: u32 = 512;
+
+/// One request of a trace.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct TraceRecord {
+    /// Arrival, milliseconds from the start of the trace.
+    pub timestamp: u64,
+    /// Prompt tokens.
+    pub input_length: u32,
+    /// Output tokens.
+    pub output_length: u32,
+    /// One id per block of the prompt; equal ids at equal positions after equal parents mean equal
+    /// content. `ceil(input_length / block_tokens)` of them.
+    #[serde(default)]
+    pub hash_ids: Vec<u64>,
+    /// Tokens per hash id when not 512.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub block_tokens: Option<u32>,
+    /// Conversation or session the request belongs to.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub session_id: Option<String>,
+    /// Request id (joins client and proxy records).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub request_id: Option<String>,
+    /// Model requested.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub model: Option<String>,
+    /// `chat` or `completions`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub endpoint: Option<String>,
+    /// Traffic class (interactive, batch, …).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub class: Option<String>,
+    /// Pool the request was routed in.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pool: Option<String>,
+    /// Replica that served it.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub backend: Option<String>,
+    /// HTTP status.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub status: Option<u16>,
+    /// `max_tokens` as requested.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub max_tokens: Option<u32>,
+    /// Streamed.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub stream: Option<bool>,
+    /// Measured time in the proxy's queue, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub queue_ms: Option<f64>,
+    /// Measured time to first token, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub ttft_ms: Option<f64>,
+    /// Mean inter-token latency, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_mean_ms: Option<f64>,
+    /// Largest inter-token gap, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_max_ms: Option<f64>,
+    /// End-to-end latency, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub e2e_ms: Option<f64>,
+    /// `stop`, `length`, `abort`, ….
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub finish_reason: Option<String>,
+}
+
+impl TraceRecord {
+    /// Tokens per hash id.
+    pub fn block_tokens(&self) -> u32 {
+        self.block_tokens.unwrap_or(MOONCAKE_BLOCK_TOKENS)
+    }
+}
+
+/// Why a trace could not be read.
+#[derive(Debug, thiserror::Error)]
+pub enum TraceError {
+    /// Reading failed.
+    #[error("reading line {line}: {source}")]
+    Io {
+        /// 1-based line.
+        line: usize,
+        /// The I/O error.
+        source: std::io::Error,
+    },
+    /// A line is not a valid record.
+    #[error("line {line}: {reason}")]
+    Invalid {
+        /// 1-based line.
+        line: usize,
+        /// What is wrong.
+        reason: String,
+    },
+}
+
+/// Reads a headroom or Mooncake JSONL trace. Blank lines are skipped; timestamps must not go
+/// backwards; `hash_ids`, when present, must cover the prompt.
+pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+    let mut out = Vec::new();
+    let mut last = 0;
+    for (i, line) in reader.lines().enumerate() {
+        let line_no = i + 1;
+        let line = line.map_err(|source| TraceError::Io {
+            line: line_no,
+            source,
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let r: TraceRecord = serde_json::from_str(&line).map_err(|e| TraceError::Invalid {
+            line: line_no,
+            reason: e.to_string(),
+        })?;
+        if r.timestamp < last {
+            return Err(TraceError::Invalid {
+                line: line_no,
+                reason: format!("timestamp {} goes back from {last}", r.timestamp),
+            });
+        }
+        last = r.timestamp;
+        if r.input_length == 0 {
+            return Err(TraceError::Invalid {
+                line: line_no,
+                reason: "input_length is 0".into(),
+            });
+        }
+        let needed = r.input_length.div_ceil(r.block_tokens().max(1)) as usize;
+        if !r.hash_ids.is_empty() && r.hash_ids.len() != needed {
+            return Err(TraceError::Invalid {
+                line: line_no,
+                reason: format!(
+                    "{} hash_ids for input_length {} at {} tokens per id (expected {needed})",
+                    r.hash_ids.len(),
+                    r.input_length,
+                    r.block_tokens()
+                ),
+            });
+        }
+        out.push(r);
+    }
+    Ok(out)
+}
+
+/// Writes records as JSONL.
+pub fn write_jsonl(mut w: impl Write, records: &[TraceRecord]) -> std::io::Result<()> {
+    for r in records {
+        serde_json::to_writer(&mut w, r)?;
+        w.write_all(b"\n")?;
+    }
+    w.flush()
+}
+
+/// Gives every record without `hash_ids` fresh ids (no sharing), continuing after the largest id
+/// in use: sources without prefix information replay as prompts that share nothing.
+pub fn fill_unique_hash_ids(records: &mut [TraceRecord]) {
+    let mut next = records
+        .iter()
+        .flat_map(|r| r.hash_ids.iter())
+        .max()
+        .map_or(0, |m| m + 1);
+    for r in records.iter_mut().filter(|r| r.hash_ids.is_empty()) {
+        let n = r.input_length.div_ceil(r.block_tokens().max(1));
+        r.hash_ids = (next..next + u64::from(n)).collect();
+        next += u64::from(n);
+    }
+}
+
+/// Parses `YYYY-MM-DD HH:MM:SS[.fffffff]` into milliseconds since the Unix epoch (UTC).
+fn parse_datetime_ms(s: &str) -> Option<f64> {
+    let s = s.trim().trim_matches('"');
+    let (date, time) = s.split_once([' ', 'T'])?;
+    let mut d = date.split('-').map(|x| x.parse::<i64>().ok());
+    let (y, m, day) = (d.next()??, d.next()??, d.next()??);
+    let mut t = time.trim_end_matches('Z').split(':');
+    let (hh, mm) = (
+        t.next()?.parse::<i64>().ok()?,
+        t.next()?.parse::<i64>().ok()?,
+    );
+    let ss: f64 = t.next()?.parse().ok()?;
+    // Days from the civil date (Howard Hinnant's algorithm).
+    let y = if m <= 2 { y - 1 } else { y };
+    let era = if y >= 0 { y } else { y - 399 } / 400;
+    let yoe = y - era * 400;
+    let mp = (m + 9) % 12;
+    let doy = (153 * mp + 2) / 5 + day - 1;
+    let doe = yoe * 365 + yoe / 4 - yoe / 100 + doy;
+    let days = era * 146_097 + doe - 719_468;
+    Some(((days * 86_400 + hh * 3600 + mm * 60) as f64 + ss) * 1e3)
+}
+
+/// Splits a CSV header into column indices by name.
+fn columns(header: &str, wanted: &[&str]) -> Result<Vec<usize>, TraceError> {
+    let names: Vec<String> = header
+        .split(',')
+        .map(|c| c.trim().trim_matches('"').to_ascii_lowercase())
+        .collect();
+    wanted
+        .iter()
+        .map(|w| {
+            names
+                .iter()
+                .position(|n| n == &w.to_ascii_lowercase())
+                .ok_or_else(|| TraceError::Invalid {
+                    line: 1,
+                    reason: format!("no `{w}` column (have: {})", names.join(", ")),
+                })
+        })
+        .collect()
+}
+
+/// Imports the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`). Azure
+/// has no prefix information: every request gets its own hash ids.
+pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+    let mut lines = reader.lines();
+    let header = match lines.next() {
+        Some(h) => h.map_err(|source| TraceError::Io { line: 1, source })?,
+        None => return Ok(Vec::new()),
+    };
+    let cols = columns(&header, &["TIMESTAMP", "ContextTokens", "GeneratedTokens"])?;
+    let mut out = Vec::new();
+    let mut first = None;
+    for (i, line) in lines.enumerate() {
+        let line_no = i + 2;
+        let line = line.map_err(|source| TraceError::Io {
+            line: line_no,
+            source,
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').collect();
+        let get = |c: usize| f.get(c).copied().unwrap_or("").trim();
+        let bad = |what: &str| TraceError::Invalid {
+            line: line_no,
+            reason: format!("bad {what}: {line:?}"),
+        };
+        let at = parse_datetime_ms(get(cols[0])).ok_or_else(|| bad("TIMESTAMP"))?;
+        let input: u32 = get(cols[1]).parse().map_err(|_| bad("ContextTokens"))?;
+        let output: u32 = get(cols[2]).parse().map_err(|_| bad("GeneratedTokens"))?;
+        if input == 0 {
+            continue;
+        }
+        let start = *first.get_or_insert(at);
+        out.push(TraceRecord {
+            timestamp: (at - start).max(0.0).round() as u64,
+            input_length: input,
+            output_length: output,
+            ..TraceRecord::default()
+        });
+    }
+    sort_and_fill(&mut out);
+    Ok(out)
+}
+
+/// Imports a BurstGPT CSV (`Timestamp` s, `Session ID`, `Model`, `Request tokens`,
+/// `Response tokens`, …). No prefix information: fresh hash ids per request; the session id is kept.
+pub fn import_burstgpt(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+    let mut lines = reader.lines();
+    let header = match lines.next() {
+        Some(h) => h.map_err(|source| TraceError::Io { line: 1, source })?,
+        None => return Ok(Vec::new()),
+    };
+    let cols = columns(
+        &header,
+        &["Timestamp", "Model", "Request tokens", "Response tokens"],
+    )?;
+    let session = columns(&header, &["Session ID"]).ok().map(|c| c[0]);
+    let mut out = Vec::new();
+    let mut first = None;
+    for (i, line) in lines.enumerate() {
+        let line_no = i + 2;
+        let line = line.map_err(|source| TraceError::Io {
+            line: line_no,
+            source,
+        })?;
+        if line.trim().is_empty() {
+            continue;
+        }
+        let f: Vec<&str> = line.split(',').collect();
+        let get = |c: usize| f.get(c).copied().unwrap_or("").trim();
+        let bad = |what: &str| TraceError::Invalid {
+            line: line_no,
+            reason: format!("bad {what}: {line:?}"),
+        };
+        let at: f64 = get(cols[0]).parse().map_err(|_| bad("Timestamp"))?;
+        let input: u32 = get(cols[2]).parse().map_err(|_| bad("Request tokens"))?;
+        let output: u32 = get(cols[3]).parse().map_err(|_| bad("Response tokens"))?;
+        if input == 0 {
+            continue;
+        }
+        let start = *first.get_or_insert(at);
+        out.push(TraceRecord {
+            timestamp: ((at - start) * 1e3).max(0.0).round() as u64,
+            input_length: input,
+            output_length: output,
+            model: Some(get(cols[1]).to_owned()).filter(|m| !m.is_empty()),
+            session_id: session.map(|c| get(c).to_owned()).filter(|s| !s.is_empty()),
+            ..TraceRecord::default()
+        });
+    }
+    sort_and_fill(&mut out);
+    Ok(out)
+}
+
+/// The prefix-cache hit rate (hit tokens / prompt tokens) the trace's hash ids imply for a
+/// cache of `cache_tokens`, replaying requests in order through an LRU of full blocks: a request
+/// hits the leading run of its blocks still cached (at most `input_length − 1` tokens, as vLLM
+/// always computes the last prompt token), then its full blocks become most recently used, its
+/// last block most evictable (vLLM frees a request's blocks tail first).
+pub fn offline_prefix_hit_rate(records: &[TraceRecord], cache_tokens: u64) -> f64 {
+    use std::collections::{BTreeMap, HashMap};
+    let Some(first) = records.first() else {
+        return 0.0;
+    };
+    let bt = u64::from(first.block_tokens().max(1));
+    let capacity = (cache_tokens / bt) as usize;
+    let mut last_use: HashMap<u64, u64> = HashMap::new();
+    let mut order: BTreeMap<u64, u64> = BTreeMap::new();
+    let mut tick = 0u64;
+    let (mut queries, mut hits) = (0u64, 0u64);
+    for r in records {
+        let full = (u64::from(r.input_length) / bt) as usize;
+        let mut keys = Vec::with_capacity(full);
+        let mut parent = 0x6865_6164_726f_6f6d_u64;
+        for id in r.hash_ids.iter().take(full) {
+            parent = xxhash_rust::xxh3::xxh3_64_with_seed(&id.to_le_bytes(), parent);
+            keys.push(parent);
+        }
+        let hit_blocks = keys.iter().take_while(|k| last_use.contains_key(k)).count() as u64;
+        queries += u64::from(r.input_length);
+        hits += (hit_blocks * bt).min(u64::from(r.input_length).saturating_sub(1));
+        if capacity == 0 {
+            continue;
+        }
+        for k in keys.iter().rev() {
+            tick += 1;
+            if let Some(old) = last_use.insert(*k, tick) {
+                order.remove(&old);
+            }
+            order.insert(tick, *k);
+        }
+        while last_use.len() > capacity {
+            if let Some((_, k)) = order.pop_first() {
+                last_use.remove(&k);
+            }
+        }
+    }
+    if queries == 0 {
+        0.0
+    } else {
+        hits as f64 / queries as f64
+    }
+}
+
+fn sort_and_fill(records: &mut [TraceRecord]) {
+    records.sort_by_key(|r| r.timestamp);
+    fill_unique_hash_ids(records);
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn mooncake_lines_round_trip_and_extras_are_omitted_when_absent() {
+        let line =
+            r#"{"timestamp": 27, "input_length": 600, "output_length": 5, "hash_ids": [0, 46]}"#;
+        let recs = read_jsonl(line.as_bytes()).unwrap();
+        assert_eq!(recs[0].hash_ids, vec![0, 46]);
+        let mut out = Vec::new();
+        write_jsonl(&mut out, &recs).unwrap();
+        assert_eq!(
+            String::from_utf8(out).unwrap(),
+            "{\"timestamp\":27,\"input_length\":600,\"output_length\":5,\"hash_ids\":[0,46]}\n"
+        );
+    }
+
+    #[test]
+    fn bad_lines_are_named() {
+        let err = read_jsonl("{\"timestamp\":5,\"input_length\":1,\"output_length\":1}\n{\"timestamp\":4,\"input_length\":1,\"output_length\":1}".as_bytes()).unwrap_err();
+        assert!(
+            err.to_string()
+                .contains("line 2: timestamp 4 goes back from 5"),
+            "{err}"
+        );
+        let err = read_jsonl(
+            "{\"timestamp\":1,\"input_length\":1000,\"output_length\":1,\"hash_ids\":[1]}"
+                .as_bytes(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("expected 2"), "{err}");
+        let err = read_jsonl("not json".as_bytes()).unwrap_err();
+        assert!(err.to_string().starts_with("line 1:"), "{err}");
+    }
+
+    #[test]
+    fn azure_csv_imports_relative_ms_and_unique_ids() {
+        let csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,1025,109\n";
+        let recs = import_azure(csv.as_bytes()).unwrap();
+        assert_eq!(recs.len(), 2);
+        assert_eq!(recs[0].timestamp, 0);
+        assert_eq!(recs[1].timestamp, 4315);
+        assert_eq!(recs[0].hash_ids, vec![0]);
+        assert_eq!(recs[1].hash_ids, vec![1, 2, 3]);
+        assert!(
+            import_azure("a,b\n".as_bytes())
+                .unwrap_err()
+                .to_string()
+                .contains("no `TIMESTAMP` column")
+        );
+    }
+
+    #[test]
+    fn burstgpt_csv_keeps_sessions_and_models() {
+        let csv = "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n5,s1,1.2,ChatGPT,100,20,120,Conversation log\n7.5,s1,0.9,ChatGPT,0,0,0,Conversation log\n9,s2,2.0,GPT-4,700,50,750,API log\n";
+        let recs = import_burstgpt(csv.as_bytes()).unwrap();
+        assert_eq!(recs.len(), 2, "zero-token rows are skipped");
+        assert_eq!((recs[0].timestamp, recs[1].timestamp), (0, 4000));
+        assert_eq!(recs[1].session_id.as_deref(), Some("s2"));
+        assert_eq!(recs[1].model.as_deref(), Some("GPT-4"));
+        assert_eq!(recs[1].hash_ids.len(), 2);
+    }
+
+    #[test]
+    fn offline_hit_rate_follows_shared_prefixes_and_cache_size() {
+        let r = |ids: Vec<u64>| TraceRecord {
+            input_length: 512 * ids.len() as u32,
+            output_length: 1,
+            hash_ids: ids,
+            ..TraceRecord::default()
+        };
+        let trace = vec![r(vec![1, 2]), r(vec![1, 2]), r(vec![1, 3])];
+        // Second: 1023 of 1024 (capped); third: block 1 of 2. Queries 3 × 1024.
+        let expected = (1023.0 + 512.0) / 3072.0;
+        assert!((offline_prefix_hit_rate(&trace, 1 << 20) - expected).abs() < 1e-9);
+        assert_eq!(offline_prefix_hit_rate(&trace, 0), 0.0);
+        // Room for one block: the second request's block 1 survives (block 2 goes first).
+        let one = offline_prefix_hit_rate(&trace, 512);
+        assert!((one - (512.0 + 512.0) / 3072.0).abs() < 1e-9, "{one}");
+    }
+
+    #[test]
+    fn civil_dates_convert() {
+        assert_eq!(parse_datetime_ms("1970-01-01 00:00:01.5"), Some(1500.0));
+        assert_eq!(
+            parse_datetime_ms("2023-11-16 18:15:46"),
+            Some(1_700_158_546_000.0)
+        );
+    }
+}
