@@ -22,6 +22,11 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Replay a trace against a target and measure what users would feel, with the contract.
     Replay(Box<headroom_loadtest::cli::ReplayArgs>),
+    /// Reports over traces and results: tail, compare, merge, html.
+    Report {
+        #[command(subcommand)]
+        command: headroom_loadtest::cli::ReportCommand,
+    },
     /// Import public traces or synthesize traces from workload contracts.
     Trace {
         #[command(subcommand)]
@@ -53,6 +58,7 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::Replay(args) => headroom_loadtest::cli::run_replay(*args).await.map(drop),
             Command::Trace { command } => headroom_loadtest::cli::run_trace(command),
+            Command::Report { command } => headroom_loadtest::cli::run_report(command),
         }
     });
     match result {

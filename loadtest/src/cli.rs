@@ -14,9 +14,11 @@ use headroom_workload::trace::{self, TraceRecord};
 use serde_json::{Value, json};
 use sha2::Digest;
 
+use crate::analysis;
 use crate::contracts::{Contract, synthesize};
+use crate::pages;
 use crate::replay::{self, Arrivals, Counters, ReplayOptions};
-use crate::report::{self, RequestRow, Slo};
+use crate::report::{self, RequestRow, Slo, Summary};
 use crate::synth::Endpoint;
 
 /// Schema name of replay result files (docs/replay-results.md).
@@ -203,7 +205,15 @@ pub struct ReplayArgs {
     /// Free-text label of the hardware under test, recorded in the contract.
     #[arg(long, default_value = "unspecified")]
     pub hardware: String,
-    /// Directory for result.json, requests.csv and summary.txt.
+    /// Sweep the load instead of one run: `concurrency:1,2,4,8` or `rate:1,2,4`, one run of
+    /// --sweep-duration seconds per level, each with fresh prompt text (no cache reuse between
+    /// levels). Finds the knee and the largest level within the SLO.
+    #[arg(long, conflicts_with_all = ["rate", "concurrency", "time_scale"])]
+    pub sweep: Option<String>,
+    /// Seconds per sweep level.
+    #[arg(long, default_value_t = 30.0)]
+    pub sweep_duration: f64,
+    /// Directory for result.json, requests.csv, summary.txt and report.html (sweeps: sweep.*).
     #[arg(long, default_value = "results/replay")]
     pub out: PathBuf,
 }
@@ -345,7 +355,9 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     };
     let lengths = |f: fn(&TraceRecord) -> u32| -> Value {
         let mut v: Vec<f64> = records.iter().map(|r| f64::from(f(r))).collect();
-        serde_json::to_value(report::Dist::of(&mut v)).unwrap_or(Value::Null)
+        let d = report::Dist::of(&mut v);
+        json!({"count": d.count, "mean": d.mean_ms, "min": d.min_ms, "p50": d.p50_ms, "p90": d.p90_ms,
+               "p99": d.p99_ms, "p999": d.p999_ms, "max": d.max_ms})
     };
     let contract = json!({
         "trace": {"path": a.trace.display().to_string(), "sha256": digest, "requests": records.len(),
@@ -371,6 +383,11 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         "tool": {"name": "headroom", "version": env!("CARGO_PKG_VERSION")},
         "run_id": run_id,
     });
+
+    if let Some(spec) = a.sweep.as_deref() {
+        let sweep = SweepSpec::parse(spec)?;
+        return run_sweep(&a, sweep, records, opts, contract, slo).await;
+    }
 
     let total = records.len();
     eprintln!(
@@ -414,6 +431,7 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "requests": rows});
     std::fs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
     std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
+    std::fs::write(a.out.join("report.html"), pages::replay_page(&doc)?)?;
     let mut text = report::to_text(&summary);
     if let Some(h) = target_info.get("prefix_cache_hit_rate") {
         text.push_str(&format!(
@@ -432,6 +450,178 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     print!("{text}");
     eprintln!("headroom replay: results in {}", a.out.display());
     Ok(result_path)
+}
+
+/// What a sweep varies.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SweepSpec {
+    /// `concurrency` or `rate`.
+    pub load: &'static str,
+    /// Levels, ascending.
+    pub levels: Vec<f64>,
+}
+
+impl SweepSpec {
+    /// Parses `concurrency:1,2,4` or `rate:0.5,1,2`.
+    pub fn parse(spec: &str) -> anyhow::Result<Self> {
+        let (kind, list) = spec
+            .split_once(':')
+            .context("--sweep is concurrency:1,2,4 or rate:1,2,4")?;
+        let load = match kind.trim() {
+            "concurrency" => "concurrency",
+            "rate" => "rate",
+            other => bail!("--sweep over `{other}`: use concurrency or rate"),
+        };
+        let mut levels = Vec::new();
+        for item in list.split(',') {
+            let v: f64 = item
+                .trim()
+                .parse()
+                .with_context(|| format!("--sweep level `{item}`"))?;
+            if !(v.is_finite() && v > 0.0) || (load == "concurrency" && v.fract() != 0.0) {
+                bail!("--sweep level {v}: positive (whole numbers for concurrency)");
+            }
+            levels.push(v);
+        }
+        if levels.len() < 2 || levels.windows(2).any(|w| w[0] >= w[1]) {
+            bail!("--sweep needs at least two ascending levels");
+        }
+        Ok(Self { load, levels })
+    }
+}
+
+/// The knee: the first level after which more load buys less than 10% more output throughput
+/// per doubling. The largest safe level: the largest whose p99 TTFT (else p99 TPOT, else E2EL)
+/// is within the SLO, with every lower level within it too.
+pub fn sweep_verdict(
+    load: &str,
+    points: &[(f64, Summary)],
+    slo: Option<Slo>,
+) -> (Option<f64>, Option<f64>) {
+    let knee = points
+        .windows(2)
+        .find(|w| {
+            let (l0, s0) = (&w[0].0, &w[0].1);
+            let (l1, s1) = (&w[1].0, &w[1].1);
+            let doublings = (l1 / l0).log2().max(1e-9);
+            s1.output_token_throughput < s0.output_token_throughput * (1.0 + 0.10 * doublings)
+        })
+        .map(|w| w[0].0);
+    let _ = load;
+    let safe = slo.and_then(|slo| {
+        let within = |s: &Summary| {
+            if let Some(b) = slo.ttft_ms {
+                s.completed > 0 && s.ttft.p99_ms <= b
+            } else if let Some(b) = slo.tpot_ms {
+                s.completed > 0 && s.tpot.p99_ms <= b
+            } else {
+                slo.e2el_ms
+                    .is_some_and(|b| s.completed > 0 && s.e2el.p99_ms <= b)
+            }
+        };
+        points
+            .iter()
+            .take_while(|(_, s)| within(s))
+            .last()
+            .map(|(l, _)| *l)
+    });
+    (knee, safe)
+}
+
+async fn run_sweep(
+    a: &ReplayArgs,
+    sweep: SweepSpec,
+    records: Vec<TraceRecord>,
+    base: ReplayOptions,
+    mut contract: Value,
+    slo: Option<Slo>,
+) -> anyhow::Result<PathBuf> {
+    contract["load"] = json!({"mode": "sweep", "over": sweep.load, "levels": sweep.levels,
+        "seconds_per_level": a.sweep_duration});
+    let mut points = Vec::new();
+    for (i, &level) in sweep.levels.iter().enumerate() {
+        let arrivals = if sweep.load == "concurrency" {
+            Arrivals::Concurrency(level as usize)
+        } else {
+            Arrivals::Rate {
+                rate: level,
+                burstiness: a.burstiness,
+            }
+        };
+        let opts = ReplayOptions {
+            arrivals,
+            duration: Some(Duration::from_secs_f64(a.sweep_duration)),
+            seed: base.seed.wrapping_add(1_000_003 * (i as u64 + 1)),
+            run_id: format!("{}-l{i}", base.run_id),
+            ..base.clone()
+        };
+        eprintln!(
+            "headroom replay: sweep level {} = {level} for {} s",
+            sweep.load, a.sweep_duration
+        );
+        let counters = Arc::new(Counters::default());
+        let progress = spawn_progress(counters.clone(), records.len());
+        let results = replay::run(records.clone(), opts, counters).await;
+        progress.abort();
+        if std::io::stderr().is_terminal() {
+            eprintln!();
+        }
+        let summary = report::summarize(&results, slo);
+        eprintln!(
+            "  {level}: {:.2} req/s, {:.0} output tok/s, TTFT p50 {:.1} ms p99 {:.1} ms",
+            summary.request_throughput,
+            summary.output_token_throughput,
+            summary.ttft.p50_ms,
+            summary.ttft.p99_ms
+        );
+        points.push((level, summary));
+    }
+    let (knee, safe) = sweep_verdict(sweep.load, &points, slo);
+    let knee_text = knee.map(|k| {
+        format!("Knee: past {} = {k}, more load buys less than 10% more output throughput per doubling.", sweep.load)
+    });
+    let safe_text = match (slo, safe) {
+        (None, _) => None,
+        (Some(_), Some(s)) => Some(format!(
+            "Largest safe {}: {s} (p99 within the SLO at this level and every lower one).",
+            sweep.load
+        )),
+        (Some(_), None) => Some(format!("No {} level kept p99 within the SLO.", sweep.load)),
+    };
+    let doc = json!({
+        "schema": "headroom.sweep.v1",
+        "contract": contract,
+        "load": sweep.load,
+        "slo": slo,
+        "points": points.iter().map(|(l, s)| json!({"level": l, "summary": s})).collect::<Vec<_>>(),
+        "verdict": {"knee_level": knee, "largest_safe_level": safe, "knee": knee_text, "largest_safe": safe_text},
+    });
+    std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
+    let path = a.out.join("sweep.json");
+    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    std::fs::write(a.out.join("sweep.html"), pages::sweep_page(&doc)?)?;
+    let mut text = format!(
+        "{:>12} {:>9} {:>12} {:>10} {:>10} {:>10}\n",
+        sweep.load, "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p99"
+    );
+    for (l, s) in &points {
+        text.push_str(&format!(
+            "{l:>12} {:>9.2} {:>12.0} {:>8.1}ms {:>8.1}ms {:>8.1}ms\n",
+            s.request_throughput,
+            s.output_token_throughput,
+            s.ttft.p50_ms,
+            s.ttft.p99_ms,
+            s.tpot.p99_ms
+        ));
+    }
+    for line in [knee_text, safe_text].into_iter().flatten() {
+        text.push_str(&line);
+        text.push('\n');
+    }
+    std::fs::write(a.out.join("sweep.txt"), &text)?;
+    print!("{text}");
+    eprintln!("headroom replay: sweep results in {}", a.out.display());
+    Ok(path)
 }
 
 fn hex(bytes: &[u8]) -> String {
@@ -463,4 +653,172 @@ fn spawn_progress(counters: Arc<Counters>, total: usize) -> tokio::task::JoinHan
             }
         }
     })
+}
+
+/// `headroom report …`.
+#[derive(Debug, Subcommand)]
+pub enum ReportCommand {
+    /// The prompt-length tail report of a trace or a replay result: percentiles, histogram, the
+    /// longest 1%'s share of the work, TTFT by prompt length, and what to do about it.
+    Tail(TailArgs),
+    /// Two replay results side by side, with deltas (and a warning when their contracts differ
+    /// in more than one thing).
+    Compare(CompareArgs),
+    /// Merge the results of sharded load generators (`--shard i/n`) into one.
+    Merge(MergeArgs),
+    /// Re-render the HTML page of a result.json or sweep.json.
+    Html(HtmlArgs),
+}
+
+/// Flags of `headroom report tail`.
+#[derive(Debug, Args)]
+pub struct TailArgs {
+    /// A trace (any supported format) or a replay result.json.
+    #[arg(long)]
+    pub trace: PathBuf,
+    /// Directory for tail.txt, tail.json, tail.csv and tail.html.
+    #[arg(long, default_value = "results/tail")]
+    pub out: PathBuf,
+}
+
+/// Flags of `headroom report compare`.
+#[derive(Debug, Args)]
+pub struct CompareArgs {
+    /// Baseline result.json.
+    pub a: PathBuf,
+    /// Candidate result.json.
+    pub b: PathBuf,
+}
+
+/// Flags of `headroom report merge`.
+#[derive(Debug, Args)]
+pub struct MergeArgs {
+    /// The shards' result.json files.
+    #[arg(required = true, num_args = 2..)]
+    pub results: Vec<PathBuf>,
+    /// Directory for the merged result.json, requests.csv, summary.txt and report.html.
+    #[arg(long, default_value = "results/merged")]
+    pub out: PathBuf,
+}
+
+/// Flags of `headroom report html`.
+#[derive(Debug, Args)]
+pub struct HtmlArgs {
+    /// result.json or sweep.json.
+    pub input: PathBuf,
+    /// Output HTML file.
+    #[arg(long, short)]
+    pub output: PathBuf,
+}
+
+fn read_json(path: &Path) -> anyhow::Result<Value> {
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    serde_json::from_str(&text).with_context(|| format!("{} is not JSON", path.display()))
+}
+
+/// Runs `headroom report …`.
+pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
+    match cmd {
+        ReportCommand::Tail(a) => {
+            let is_result = a.trace.extension().is_some_and(|e| e == "json");
+            let points: Vec<analysis::TailPoint> = if is_result {
+                let doc = read_json(&a.trace)?;
+                let rows: Vec<RequestRow> = serde_json::from_value(doc["requests"].clone())
+                    .with_context(|| format!("{} is not a replay result", a.trace.display()))?;
+                rows.iter()
+                    .filter(|r| !r.warmup)
+                    .map(analysis::TailPoint::from_row)
+                    .collect()
+            } else {
+                read_trace(&a.trace, None)?
+                    .iter()
+                    .map(analysis::TailPoint::from_record)
+                    .collect()
+            };
+            if points.is_empty() {
+                bail!("{} holds no requests", a.trace.display());
+            }
+            let t = analysis::tail_report(&points);
+            std::fs::create_dir_all(&a.out)?;
+            let text = analysis::tail_text(&t);
+            std::fs::write(a.out.join("tail.txt"), &text)?;
+            std::fs::write(a.out.join("tail.json"), serde_json::to_string_pretty(&t)?)?;
+            std::fs::write(a.out.join("tail.csv"), analysis::tail_csv(&t))?;
+            std::fs::write(
+                a.out.join("tail.html"),
+                analysis::tail_page(&t, &a.trace.display().to_string()),
+            )?;
+            print!("{text}");
+            eprintln!("headroom report tail: written to {}", a.out.display());
+        }
+        ReportCommand::Compare(a) => {
+            let (text, _) = analysis::compare(&read_json(&a.a)?, &read_json(&a.b)?);
+            print!("{text}");
+        }
+        ReportCommand::Merge(a) => {
+            let docs = a
+                .results
+                .iter()
+                .map(|p| read_json(p))
+                .collect::<anyhow::Result<Vec<_>>>()?;
+            let first = &docs[0];
+            let mut rows: Vec<RequestRow> = Vec::new();
+            for (doc, path) in docs.iter().zip(&a.results) {
+                let diffs = analysis::contract_differences(&first["contract"], &doc["contract"]);
+                let unexpected: Vec<&String> =
+                    diffs.iter().filter(|d| d.as_str() != "trace").collect();
+                if !unexpected.is_empty() {
+                    bail!(
+                        "{} was run under a different contract ({unexpected:?}): not a shard of the same run",
+                        path.display()
+                    );
+                }
+                let mut part: Vec<RequestRow> = serde_json::from_value(doc["requests"].clone())
+                    .with_context(|| format!("{} is not a replay result", path.display()))?;
+                rows.append(&mut part);
+            }
+            rows.sort_by(|x, y| x.sent_ms.total_cmp(&y.sent_ms));
+            let slo: Option<Slo> = serde_json::from_value(first["contract"]["slo"].clone())
+                .ok()
+                .flatten();
+            let summary = report::summarize(&report::results_from_rows(&rows), slo);
+            let mut contract = first["contract"].clone();
+            contract["trace"]["shards_merged"] = json!(
+                a.results
+                    .iter()
+                    .map(|p| p.display().to_string())
+                    .collect::<Vec<_>>()
+            );
+            let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "requests": rows,
+                             "note": "merged from shards: ITL per chunk is not kept per request, so the merged ITL distribution is empty"});
+            std::fs::create_dir_all(&a.out)?;
+            std::fs::write(
+                a.out.join("result.json"),
+                serde_json::to_string_pretty(&doc)?,
+            )?;
+            std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
+            std::fs::write(a.out.join("report.html"), pages::replay_page(&doc)?)?;
+            let text = report::to_text(&summary);
+            std::fs::write(a.out.join("summary.txt"), &text)?;
+            print!("{text}");
+            eprintln!(
+                "headroom report merge: {} shards, {} requests, written to {}",
+                docs.len(),
+                rows.len(),
+                a.out.display()
+            );
+        }
+        ReportCommand::Html(a) => {
+            let doc = read_json(&a.input)?;
+            let page = if doc["schema"] == "headroom.sweep.v1" {
+                pages::sweep_page(&doc)?
+            } else {
+                pages::replay_page(&doc)?
+            };
+            std::fs::write(&a.output, page)
+                .with_context(|| format!("writing {}", a.output.display()))?;
+        }
+    }
+    Ok(())
 }

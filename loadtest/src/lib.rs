@@ -1,10 +1,13 @@
 //! headroom-loadtest: streaming clients that measure what users feel, load drivers and reports.
 
+pub mod analysis;
 pub mod cli;
 pub mod client;
 pub mod closed_loop;
 pub mod contracts;
+pub mod html;
 pub mod open_loop;
+pub mod pages;
 pub mod replay;
 pub mod report;
 pub mod stats;

@@ -6,6 +6,7 @@ use std::collections::BTreeMap;
 
 use serde::{Deserialize, Serialize};
 
+use crate::client::{Failure, Timing};
 use crate::replay::RequestResult;
 
 /// A latency distribution in milliseconds.
@@ -317,8 +318,11 @@ pub struct RequestRow {
     pub sent_ms: f64,
     /// HTTP status.
     pub status: u16,
-    /// Failure kind, if any.
+    /// Failure, if any.
     pub error: Option<String>,
+    /// Failure kind (`status_503`, `transport`, `cut`, `error_event`), if any.
+    #[serde(default)]
+    pub error_kind: Option<String>,
     /// TTFT, ms.
     pub ttft_ms: Option<f64>,
     /// TPOT, ms.
@@ -348,6 +352,7 @@ impl From<&RequestResult> for RequestRow {
             sent_ms: ms(r.sent),
             status: t.status,
             error: t.failure.as_ref().map(|f| f.to_string()),
+            error_kind: t.failure.as_ref().map(Failure::kind),
             ttft_ms: t.ttft.map(ms),
             tpot_ms: t.tpot().map(ms),
             itl_max_ms: t.itl.iter().max().map(|d| ms(*d)),
@@ -358,6 +363,40 @@ impl From<&RequestResult> for RequestRow {
             completion_tokens: t.completion_tokens,
         }
     }
+}
+
+/// Rebuilds results from rows (to merge shards). Per-chunk gaps are not kept in rows, so the
+/// merged summary has no ITL distribution; everything else is exact.
+pub fn results_from_rows(rows: &[RequestRow]) -> Vec<RequestResult> {
+    let d = |ms: f64| std::time::Duration::from_secs_f64(ms.max(0.0) / 1e3);
+    rows.iter()
+        .map(|r| RequestResult {
+            index: r.index,
+            request_id: r.request_id.clone(),
+            scheduled: r.scheduled_ms.map(d),
+            sent: d(r.sent_ms),
+            warmup: r.warmup,
+            input_length: r.input_length,
+            output_length: r.output_length,
+            timing: Timing {
+                status: r.status,
+                failure: r.error.as_ref().map(|e| match r.error_kind.as_deref() {
+                    Some(k) if k.starts_with("status_") => {
+                        Failure::Status(k[7..].parse().unwrap_or(0), e.clone())
+                    }
+                    Some("error_event") => Failure::ErrorEvent(e.clone()),
+                    Some("cut") => Failure::Cut(e.clone()),
+                    _ => Failure::Transport(e.clone()),
+                }),
+                ttft: r.ttft_ms.map(d),
+                itl: Vec::new(),
+                e2e: d(r.e2el_ms),
+                prompt_tokens: r.prompt_tokens,
+                completion_tokens: r.completion_tokens,
+                target: String::new(),
+            },
+        })
+        .collect()
 }
 
 /// CSV of request rows (header included).

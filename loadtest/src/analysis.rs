@@ -1,0 +1,518 @@
+//! Reports over traces and results: the prompt-length tail report, comparing two runs (refusing
+//! to call a difference in contracts a comparison), and merging sharded runs.
+
+use std::collections::BTreeMap;
+
+use headroom_workload::trace::TraceRecord;
+use serde::Serialize;
+use serde_json::{Value, json};
+
+use crate::html::{self, Chart, Section, Series, Style, escape, table};
+use crate::report::{Dist, RequestRow, percentile};
+
+/// One prompt-length bucket of the tail report: [lo, hi) tokens.
+#[derive(Debug, Clone, Serialize)]
+pub struct Bucket {
+    /// Lower bound (inclusive).
+    pub lo: u32,
+    /// Upper bound (exclusive).
+    pub hi: u32,
+    /// Requests.
+    pub requests: usize,
+    /// Share of all prompt tokens.
+    pub token_share: f64,
+    /// TTFT median in the bucket, ms (when timings are known).
+    pub ttft_p50_ms: Option<f64>,
+    /// TTFT p99 in the bucket, ms.
+    pub ttft_p99_ms: Option<f64>,
+}
+
+/// The prompt-length tail report.
+#[derive(Debug, Clone, Serialize)]
+pub struct TailReport {
+    /// Requests.
+    pub requests: usize,
+    /// Prompt length distribution (values are tokens, in the `_ms` fields of [`Dist`]).
+    pub prompt_tokens: Dist,
+    /// Share of all prompt tokens in the longest 1% of prompts.
+    pub top1_token_share: f64,
+    /// Share of quadratic attention work (Σ n²) in the longest 1%.
+    pub top1_attention_share: f64,
+    /// Log-scale (powers of two) histogram, with TTFT per bucket where known.
+    pub buckets: Vec<Bucket>,
+    /// Correlation of log TTFT with log prompt length (when timings are known).
+    pub ttft_vs_length: Option<f64>,
+    /// Correlation of log TTFT with requests in flight at arrival.
+    pub ttft_vs_load: Option<f64>,
+    /// What to do about it.
+    pub recommendation: String,
+}
+
+/// A request as the tail report sees it: prompt length, and optionally TTFT and timing.
+#[derive(Debug, Clone, Copy)]
+pub struct TailPoint {
+    /// Prompt tokens.
+    pub input: u32,
+    /// TTFT, ms.
+    pub ttft_ms: Option<f64>,
+    /// Arrival, ms.
+    pub at_ms: f64,
+    /// End, ms (to count requests in flight).
+    pub end_ms: Option<f64>,
+}
+
+impl TailPoint {
+    /// From a trace record (captured traces carry ttft_ms and e2e_ms).
+    pub fn from_record(r: &TraceRecord) -> Self {
+        let at = r.timestamp as f64;
+        Self {
+            input: r.input_length,
+            ttft_ms: r.ttft_ms,
+            at_ms: at,
+            end_ms: r.e2e_ms.map(|e| at + e),
+        }
+    }
+
+    /// From a replay result row.
+    pub fn from_row(r: &RequestRow) -> Self {
+        Self {
+            input: r.input_length,
+            ttft_ms: r.ttft_ms,
+            at_ms: r.sent_ms,
+            end_ms: Some(r.sent_ms + r.e2el_ms),
+        }
+    }
+}
+
+fn correlation(xs: &[f64], ys: &[f64]) -> Option<f64> {
+    let n = xs.len() as f64;
+    if xs.len() < 3 {
+        return None;
+    }
+    let (mx, my) = (xs.iter().sum::<f64>() / n, ys.iter().sum::<f64>() / n);
+    let cov: f64 = xs.iter().zip(ys).map(|(x, y)| (x - mx) * (y - my)).sum();
+    let vx: f64 = xs.iter().map(|x| (x - mx).powi(2)).sum();
+    let vy: f64 = ys.iter().map(|y| (y - my).powi(2)).sum();
+    (vx > 0.0 && vy > 0.0).then(|| cov / (vx * vy).sqrt())
+}
+
+/// Builds the tail report.
+pub fn tail_report(points: &[TailPoint]) -> TailReport {
+    let mut lens: Vec<f64> = points.iter().map(|p| f64::from(p.input)).collect();
+    let dist = Dist::of(&mut lens);
+    let total_tokens: f64 = lens.iter().sum();
+    let total_sq: f64 = lens.iter().map(|n| n * n).sum();
+    let top = ((lens.len() as f64) * 0.01).ceil() as usize;
+    let top_slice = &lens[lens.len().saturating_sub(top)..];
+    let top1_token_share = if total_tokens > 0.0 {
+        top_slice.iter().sum::<f64>() / total_tokens
+    } else {
+        0.0
+    };
+    let top1_attention_share = if total_sq > 0.0 {
+        top_slice.iter().map(|n| n * n).sum::<f64>() / total_sq
+    } else {
+        0.0
+    };
+
+    let mut buckets: BTreeMap<u32, (Vec<f64>, f64)> = BTreeMap::new();
+    for p in points {
+        let k = 31 - p.input.max(1).leading_zeros();
+        let e = buckets.entry(k).or_default();
+        e.1 += f64::from(p.input);
+        if let Some(t) = p.ttft_ms {
+            e.0.push(t);
+        }
+    }
+    let buckets: Vec<Bucket> = buckets
+        .into_iter()
+        .map(|(k, (mut ttfts, tokens))| {
+            ttfts.sort_by(f64::total_cmp);
+            let count = points
+                .iter()
+                .filter(|p| 31 - p.input.max(1).leading_zeros() == k)
+                .count();
+            Bucket {
+                lo: 1 << k,
+                hi: 1u32.checked_shl(k + 1).unwrap_or(u32::MAX),
+                requests: count,
+                token_share: if total_tokens > 0.0 {
+                    tokens / total_tokens
+                } else {
+                    0.0
+                },
+                ttft_p50_ms: (!ttfts.is_empty()).then(|| percentile(&ttfts, 50.0)),
+                ttft_p99_ms: (!ttfts.is_empty()).then(|| percentile(&ttfts, 99.0)),
+            }
+        })
+        .collect();
+
+    let timed: Vec<&TailPoint> = points
+        .iter()
+        .filter(|p| p.ttft_ms.is_some_and(|t| t > 0.0))
+        .collect();
+    let log_ttft: Vec<f64> = timed
+        .iter()
+        .filter_map(|p| p.ttft_ms.map(f64::ln))
+        .collect();
+    let ttft_vs_length = correlation(
+        &timed
+            .iter()
+            .map(|p| f64::from(p.input.max(1)).ln())
+            .collect::<Vec<_>>(),
+        &log_ttft,
+    );
+    let in_flight: Vec<f64> = timed
+        .iter()
+        .map(|p| {
+            points
+                .iter()
+                .filter(|q| q.at_ms <= p.at_ms && q.end_ms.is_some_and(|e| e > p.at_ms))
+                .count() as f64
+        })
+        .collect();
+    let ttft_vs_load = if points.iter().any(|p| p.end_ms.is_some()) {
+        correlation(&in_flight, &log_ttft)
+    } else {
+        None
+    };
+
+    let threshold = (dist.p99_ms as u32).next_power_of_two() / 2;
+    let heavy_tail = top1_token_share > 0.05 || top1_attention_share > 0.25;
+    let longest_slow = {
+        let timed_buckets: Vec<&Bucket> =
+            buckets.iter().filter(|b| b.ttft_p99_ms.is_some()).collect();
+        match (timed_buckets.first(), timed_buckets.last()) {
+            (Some(first), Some(last)) if timed_buckets.len() > 1 => {
+                last.ttft_p99_ms.unwrap_or(0.0) > 3.0 * first.ttft_p99_ms.unwrap_or(f64::MAX)
+            }
+            _ => false,
+        }
+    };
+    let driver = match (ttft_vs_length, ttft_vs_load) {
+        (Some(l), Some(q)) if q.abs() > l.abs() => {
+            " TTFT follows load more than prompt length: admission (queueing at the proxy) matters more than routing long prompts apart."
+        }
+        (Some(_), _) => " TTFT follows prompt length: the long prompts themselves set the tail.",
+        _ => "",
+    };
+    let recommendation = if heavy_tail || longest_slow {
+        format!(
+            "Route prompts above ~{threshold} tokens to their own pool: the longest 1% carry {:.0}% of prompt tokens and {:.0}% of attention work{}, and their prefill delays every request batched with them.{driver}",
+            100.0 * top1_token_share,
+            100.0 * top1_attention_share,
+            if longest_slow {
+                ", and their p99 TTFT is over 3× the shortest prompts'"
+            } else {
+                ""
+            }
+        )
+    } else {
+        format!(
+            "No separate long-prompt route needed: the longest 1% carry only {:.0}% of prompt tokens.{driver}",
+            100.0 * top1_token_share
+        )
+    };
+    TailReport {
+        requests: points.len(),
+        prompt_tokens: dist,
+        top1_token_share,
+        top1_attention_share,
+        buckets,
+        ttft_vs_length,
+        ttft_vs_load,
+        recommendation,
+    }
+}
+
+/// Text form of the tail report.
+pub fn tail_text(t: &TailReport) -> String {
+    let d = &t.prompt_tokens;
+    let mut out = format!(
+        "prompt tokens over {} requests: p50 {:.0}, p90 {:.0}, p95 {:.0}, p99 {:.0}, p99.9 {:.0}, max {:.0}\n",
+        t.requests, d.p50_ms, d.p90_ms, d.p95_ms, d.p99_ms, d.p999_ms, d.max_ms
+    );
+    out.push_str(&format!(
+        "longest 1%: {:.1}% of prompt tokens, {:.1}% of attention work (sum of n^2)\n",
+        100.0 * t.top1_token_share,
+        100.0 * t.top1_attention_share
+    ));
+    out.push_str("     tokens      requests  token share   TTFT p50   TTFT p99\n");
+    for b in &t.buckets {
+        let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}ms"));
+        out.push_str(&format!(
+            "{:>6}-{:<6} {:>9} {:>11.1}% {:>10} {:>10}\n",
+            b.lo,
+            b.hi,
+            b.requests,
+            100.0 * b.token_share,
+            ms(b.ttft_p50_ms),
+            ms(b.ttft_p99_ms)
+        ));
+    }
+    if let Some(c) = t.ttft_vs_length {
+        out.push_str(&format!(
+            "correlation of log TTFT with log prompt length: {c:.2}\n"
+        ));
+    }
+    if let Some(c) = t.ttft_vs_load {
+        out.push_str(&format!(
+            "correlation of log TTFT with requests in flight: {c:.2}\n"
+        ));
+    }
+    out.push_str(&format!("recommendation: {}\n", t.recommendation));
+    out
+}
+
+/// CSV of the buckets.
+pub fn tail_csv(t: &TailReport) -> String {
+    let mut out = String::from("lo,hi,requests,token_share,ttft_p50_ms,ttft_p99_ms\n");
+    let opt = |v: Option<f64>| v.map_or_else(String::new, |v| format!("{v:.3}"));
+    for b in &t.buckets {
+        out.push_str(&format!(
+            "{},{},{},{:.6},{},{}\n",
+            b.lo,
+            b.hi,
+            b.requests,
+            b.token_share,
+            opt(b.ttft_p50_ms),
+            opt(b.ttft_p99_ms)
+        ));
+    }
+    out
+}
+
+/// HTML form of the tail report.
+pub fn tail_page(t: &TailReport, source: &str) -> String {
+    let x: Vec<f64> = t.buckets.iter().map(|b| f64::from(b.lo)).collect();
+    let mut charts = vec![Chart {
+        title: "Prompt length histogram (log scale)".into(),
+        x_label: "prompt tokens (bucket start)".into(),
+        y_label: "requests".into(),
+        log_x: true,
+        log_y: false,
+        x: x.clone(),
+        series: vec![Series {
+            label: "requests".into(),
+            values: t.buckets.iter().map(|b| Some(b.requests as f64)).collect(),
+            style: Style::Bars,
+        }],
+    }];
+    if t.buckets.iter().any(|b| b.ttft_p99_ms.is_some()) {
+        charts.push(Chart {
+            title: "TTFT by prompt length".into(),
+            x_label: "prompt tokens (bucket start)".into(),
+            y_label: "TTFT (ms)".into(),
+            log_x: true,
+            log_y: true,
+            x,
+            series: vec![
+                Series {
+                    label: "p50".into(),
+                    values: t.buckets.iter().map(|b| b.ttft_p50_ms).collect(),
+                    style: Style::Line,
+                },
+                Series {
+                    label: "p99".into(),
+                    values: t.buckets.iter().map(|b| b.ttft_p99_ms).collect(),
+                    style: Style::Line,
+                },
+            ],
+        });
+    }
+    let rows: Vec<Vec<String>> = t
+        .buckets
+        .iter()
+        .map(|b| {
+            let ms = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.1}"));
+            vec![
+                format!("{}–{}", b.lo, b.hi),
+                b.requests.to_string(),
+                format!("{:.1}%", 100.0 * b.token_share),
+                ms(b.ttft_p50_ms),
+                ms(b.ttft_p99_ms),
+            ]
+        })
+        .collect();
+    let html_text = format!(
+        "<p><b>{}</b></p><pre>{}</pre>{}",
+        escape(&t.recommendation),
+        escape(&tail_text(t)),
+        table(
+            &[
+                "prompt tokens",
+                "requests",
+                "token share",
+                "TTFT p50 ms",
+                "TTFT p99 ms"
+            ],
+            &rows
+        )
+    );
+    html::page(
+        "headroom tail report",
+        source,
+        &[Section {
+            heading: "Prompt-length tail".into(),
+            html: html_text,
+            charts,
+        }],
+    )
+}
+
+/// Keys of a contract that may differ between two runs without making them incomparable.
+const INCIDENTAL: &[&str] = &["run_id", "tool"];
+
+fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
+    match v {
+        Value::Object(m) => {
+            for (k, x) in m {
+                let key = if prefix.is_empty() {
+                    k.clone()
+                } else {
+                    format!("{prefix}.{k}")
+                };
+                if prefix.is_empty() && INCIDENTAL.contains(&k.as_str()) {
+                    continue;
+                }
+                flatten(&key, x, out);
+            }
+        }
+        _ => {
+            out.insert(prefix.to_owned(), v.clone());
+        }
+    }
+}
+
+/// The top-level contract keys whose values differ between two runs.
+pub fn contract_differences(a: &Value, b: &Value) -> Vec<String> {
+    let (mut fa, mut fb) = (BTreeMap::new(), BTreeMap::new());
+    flatten("", a, &mut fa);
+    flatten("", b, &mut fb);
+    let mut keys: Vec<String> = fa
+        .keys()
+        .chain(fb.keys())
+        .filter(|k| fa.get(*k) != fb.get(*k))
+        .map(|k| k.split('.').next().unwrap_or(k).to_owned())
+        .collect();
+    keys.sort();
+    keys.dedup();
+    keys
+}
+
+/// Side-by-side comparison of two replay results.
+pub fn compare(a: &Value, b: &Value) -> (String, Value) {
+    let diffs = contract_differences(&a["contract"], &b["contract"]);
+    let mut out = String::new();
+    match diffs.len() {
+        0 => out.push_str("Same contract: the difference below is the run-to-run difference.\n"),
+        1 => out.push_str(&format!("Compared: the contracts differ only in `{}`.\n", diffs[0])),
+        _ => out.push_str(&format!(
+            "These are being described, not compared: the contracts differ in {} things ({}), so no difference below can be put down to one of them.\n",
+            diffs.len(),
+            diffs.join(", ")
+        )),
+    }
+    let metrics: &[(&str, &[&str])] = &[
+        ("completed", &["completed"]),
+        ("failed", &["failed"]),
+        ("req/s", &["request_throughput"]),
+        ("output tok/s", &["output_token_throughput"]),
+        ("TTFT p50 ms", &["ttft", "p50_ms"]),
+        ("TTFT p99 ms", &["ttft", "p99_ms"]),
+        ("TPOT p50 ms", &["tpot", "p50_ms"]),
+        ("TPOT p99 ms", &["tpot", "p99_ms"]),
+        ("ITL p99 ms", &["itl", "p99_ms"]),
+        ("E2EL p99 ms", &["e2el", "p99_ms"]),
+        ("good req/s", &["goodput", "requests_per_s"]),
+    ];
+    out.push_str(&format!(
+        "{:<14} {:>12} {:>12} {:>10}\n",
+        "", "A", "B", "B vs A"
+    ));
+    let mut rows = Vec::new();
+    for (name, path) in metrics {
+        let get = |doc: &Value| path.iter().fold(&doc["summary"], |v, k| &v[*k]).as_f64();
+        let (x, y) = (get(a), get(b));
+        if x.is_none() && y.is_none() {
+            continue;
+        }
+        let delta = match (x, y) {
+            (Some(x), Some(y)) if x != 0.0 => format!("{:+.1}%", 100.0 * (y - x) / x),
+            _ => "-".into(),
+        };
+        let f = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2}"));
+        out.push_str(&format!(
+            "{name:<14} {:>12} {:>12} {delta:>10}\n",
+            f(x),
+            f(y)
+        ));
+        rows.push(json!({"metric": name, "a": x, "b": y, "delta": delta}));
+    }
+    (out, json!({"contract_differences": diffs, "rows": rows}))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn pt(input: u32, ttft: f64) -> TailPoint {
+        TailPoint {
+            input,
+            ttft_ms: Some(ttft),
+            at_ms: 0.0,
+            end_ms: None,
+        }
+    }
+
+    #[test]
+    fn tail_shares_and_buckets() {
+        let mut pts: Vec<TailPoint> = (0..99).map(|_| pt(100, 10.0)).collect();
+        pts.push(pt(20_000, 900.0));
+        let t = tail_report(&pts);
+        assert_eq!(t.requests, 100);
+        let expected = 20_000.0 / (99.0 * 100.0 + 20_000.0);
+        assert!((t.top1_token_share - expected).abs() < 1e-9);
+        assert!(t.top1_attention_share > 0.99);
+        assert_eq!(t.buckets.len(), 2);
+        assert_eq!(
+            (t.buckets[0].lo, t.buckets[0].hi, t.buckets[0].requests),
+            (64, 128, 99)
+        );
+        assert_eq!(t.buckets[1].ttft_p99_ms, Some(900.0));
+        assert!(
+            t.recommendation.starts_with("Route prompts above"),
+            "{}",
+            t.recommendation
+        );
+        assert!(t.ttft_vs_length.unwrap() > 0.9);
+    }
+
+    #[test]
+    fn uniform_prompts_need_no_route() {
+        let pts: Vec<TailPoint> = (0..200).map(|i| pt(500 + i, 20.0)).collect();
+        assert!(tail_report(&pts).recommendation.starts_with("No separate"));
+    }
+
+    #[test]
+    fn comparisons_say_when_contracts_differ_in_more_than_one_thing() {
+        let doc = |rate: f64, model: &str, ttft: f64| {
+            json!({"contract": {"load": {"rate": rate}, "model": model, "run_id": "x", "seed": 1},
+                   "summary": {"ttft": {"p50_ms": ttft}, "completed": 10}})
+        };
+        let (text, _) = compare(&doc(1.0, "m", 100.0), &doc(2.0, "m", 150.0));
+        assert!(
+            text.starts_with("Compared: the contracts differ only in `load`"),
+            "{text}"
+        );
+        assert!(text.contains("+50.0%"), "{text}");
+        let (text, v) = compare(&doc(1.0, "m", 100.0), &doc(2.0, "n", 150.0));
+        assert!(
+            text.starts_with("These are being described, not compared"),
+            "{text}"
+        );
+        assert_eq!(v["contract_differences"], json!(["load", "model"]));
+        let (text, _) = compare(&doc(1.0, "m", 100.0), &doc(1.0, "m", 100.0));
+        assert!(text.starts_with("Same contract"));
+    }
+}
