@@ -211,7 +211,8 @@ print(f"requests: guidellm {len(g)} completed, headroom replay {hs['completed']}
 print(f"prompt tokens (simulator usage): guidellm {g_prompt[0]}..{g_prompt[-1]}"
       + (f", replay {h_prompt[0]}..{h_prompt[-1]}" if h_prompt else "")
       + f"; replay prompt mismatches vs trace: {hs['lengths']['prompt_mismatches']}")
-print(f"replay send lateness p99: {hs['send_lateness']['p99_ms']:.3f} ms")
+print(f"replay send lateness p99: {hs['send_lateness']['p99_ms']:.3f} ms; "
+      f"replay per-chunk ITL min {hs['itl']['min_ms']:.3f} ms (near 0: chunks arrived coalesced)")
 print()
 print(f"| metric | guidellm ms | headroom replay ms | diff |")
 print(f"|---|---|---|---|")

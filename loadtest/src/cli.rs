@@ -353,12 +353,7 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         timeout: Duration::from_secs_f64(a.timeout),
         run_id: run_id.clone(),
     };
-    let lengths = |f: fn(&TraceRecord) -> u32| -> Value {
-        let mut v: Vec<f64> = records.iter().map(|r| f64::from(f(r))).collect();
-        let d = report::Dist::of(&mut v);
-        json!({"count": d.count, "mean": d.mean_ms, "min": d.min_ms, "p50": d.p50_ms, "p90": d.p90_ms,
-               "p99": d.p99_ms, "p999": d.p999_ms, "max": d.max_ms})
-    };
+    let lengths = |f: fn(&TraceRecord) -> u32| length_stats(records.iter().map(f));
     let contract = json!({
         "trace": {"path": a.trace.display().to_string(), "sha256": digest, "requests": records.len(),
                   "shard": a.shard, "max_requests": a.max_requests},
@@ -377,7 +372,12 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         "prompt_synthesis": "hash id -> seeded block of one-token words; template tokens counted (docs/replay.md)",
         "seed": a.seed,
         "slo": slo,
-        "target": {"url": target, "models": models, "version": version},
+        "target": {
+            "url": target,
+            "models": models.as_ref().and_then(|m| m["data"].as_array()).map(|d| d.iter().map(|c| json!({
+                "id": c["id"], "root": c["root"], "max_model_len": c["max_model_len"]})).collect::<Vec<_>>()),
+            "version": version.as_ref().and_then(|v| v["version"].as_str()),
+        },
         "model": model,
         "hardware": a.hardware,
         "tool": {"name": "headroom", "version": env!("CARGO_PKG_VERSION")},
@@ -624,6 +624,14 @@ async fn run_sweep(
     Ok(path)
 }
 
+/// Token-length statistics for a contract.
+fn length_stats(values: impl Iterator<Item = u32>) -> Value {
+    let mut v: Vec<f64> = values.map(f64::from).collect();
+    let d = report::Dist::of(&mut v);
+    json!({"count": d.count, "mean": d.mean_ms, "min": d.min_ms, "p50": d.p50_ms, "p90": d.p90_ms,
+           "p99": d.p99_ms, "p999": d.p999_ms, "max": d.max_ms})
+}
+
 fn hex(bytes: &[u8]) -> String {
     bytes.iter().map(|b| format!("{b:02x}")).collect()
 }
@@ -766,8 +774,11 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             let mut rows: Vec<RequestRow> = Vec::new();
             for (doc, path) in docs.iter().zip(&a.results) {
                 let diffs = analysis::contract_differences(&first["contract"], &doc["contract"]);
-                let unexpected: Vec<&String> =
-                    diffs.iter().filter(|d| d.as_str() != "trace").collect();
+                // Shards differ in their slice of the trace and its length statistics only.
+                let unexpected: Vec<&String> = diffs
+                    .iter()
+                    .filter(|d| !["trace", "input_tokens", "output_tokens"].contains(&d.as_str()))
+                    .collect();
                 if !unexpected.is_empty() {
                     bail!(
                         "{} was run under a different contract ({unexpected:?}): not a shard of the same run",
@@ -790,6 +801,10 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                     .map(|p| p.display().to_string())
                     .collect::<Vec<_>>()
             );
+            contract["trace"]["requests"] = json!(rows.len());
+            contract["trace"]["shard"] = Value::Null;
+            contract["input_tokens"] = length_stats(rows.iter().map(|r| r.input_length));
+            contract["output_tokens"] = length_stats(rows.iter().map(|r| r.output_length));
             let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "requests": rows,
                              "note": "merged from shards: ITL per chunk is not kept per request, so the merged ITL distribution is empty"});
             std::fs::create_dir_all(&a.out)?;

@@ -1,0 +1,231 @@
+//! The load tester against an in-process simulated replica: prompts hit their contracted lengths
+//! exactly, outputs are pinned, every run writes its contract and results, and the sweep, tail,
+//! compare and merge reports work on real results.
+
+use std::path::Path;
+
+use clap::Parser;
+use headroom_loadtest::cli::{ReplayArgs, ReportCommand, run_replay, run_report};
+use headroom_loadtest::contracts::{Contract, synthesize};
+use headroom_sim::{RunningReplica, SimArgs, start_replica};
+use headroom_workload::trace::write_jsonl;
+use serde_json::Value;
+
+async fn sim() -> RunningReplica {
+    let args = SimArgs::from_flags([
+        "--latency-model",
+        "constant",
+        "--time-to-first-token",
+        "3",
+        "--inter-token-latency",
+        "1",
+        "--max-model-len",
+        "20000",
+    ])
+    .unwrap();
+    start_replica(
+        args.build_replica(0).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
+#[derive(Parser)]
+struct Replay {
+    #[command(flatten)]
+    args: ReplayArgs,
+}
+
+#[derive(Parser)]
+struct Report {
+    #[command(subcommand)]
+    cmd: ReportCommand,
+}
+
+fn replay_args(flags: &[&str]) -> ReplayArgs {
+    Replay::try_parse_from(std::iter::once("replay").chain(flags.iter().copied()))
+        .unwrap()
+        .args
+}
+
+fn report_cmd(flags: &[&str]) -> ReportCommand {
+    Report::try_parse_from(std::iter::once("report").chain(flags.iter().copied()))
+        .unwrap()
+        .cmd
+}
+
+fn read(path: &Path) -> Value {
+    serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+}
+
+fn tempdir(name: &str) -> std::path::PathBuf {
+    let dir = std::env::temp_dir().join(format!("headroom-test-{name}-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    std::fs::create_dir_all(&dir).unwrap();
+    dir
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_hit_contracted_lengths_on_both_endpoints_and_write_their_contract() {
+    let r = sim().await;
+    let dir = tempdir("replay");
+    let trace = dir.join("rag.jsonl");
+    write_jsonl(
+        std::fs::File::create(&trace).unwrap(),
+        &synthesize(Contract::Rag, 24, 40.0, 3),
+    )
+    .unwrap();
+    for endpoint in ["completions", "chat"] {
+        let out = dir.join(endpoint);
+        let result = run_replay(replay_args(&[
+            "--trace",
+            trace.to_str().unwrap(),
+            "--target",
+            &r.url(),
+            "--endpoint",
+            endpoint,
+            "--rate",
+            "40",
+            "--slo",
+            "ttft=1000",
+            "--out",
+            out.to_str().unwrap(),
+        ]))
+        .await
+        .unwrap();
+        let doc = read(&result);
+        assert_eq!(doc["schema"], "headroom.replay.v1");
+        let s = &doc["summary"];
+        assert_eq!(s["completed"], 24, "{endpoint}: {s}");
+        assert_eq!(
+            s["lengths"]["prompt_mismatches"], 0,
+            "{endpoint}: prompts hit input_length"
+        );
+        assert_eq!(s["lengths"]["output_short"], 0);
+        assert!(s["lengths"]["warning"].is_null());
+        assert_eq!(s["goodput"]["good_requests"], 24);
+        for row in doc["requests"].as_array().unwrap() {
+            assert_eq!(row["prompt_tokens"], row["input_length"]);
+            assert_eq!(row["completion_tokens"], row["output_length"]);
+            assert!(row["request_id"].as_str().unwrap().starts_with("hr"));
+        }
+        let c = &doc["contract"];
+        assert_eq!(c["trace"]["requests"], 24);
+        assert_eq!(c["trace"]["sha256"].as_str().unwrap().len(), 64);
+        assert_eq!(c["target"]["version"], "0.33.0");
+        assert_eq!(c["model"], "meta-llama/Llama-3.1-8B-Instruct");
+        let hit = doc["target_observed"]["prefix_cache_hit_rate"]
+            .as_f64()
+            .unwrap();
+        assert!(hit > 0.0, "the shared system prefix hits: {hit}");
+        for f in ["requests.csv", "summary.txt", "report.html"] {
+            assert!(out.join(f).exists(), "{f}");
+        }
+        assert_eq!(
+            std::fs::read_to_string(out.join("requests.csv"))
+                .unwrap()
+                .lines()
+                .count(),
+            25
+        );
+    }
+
+    // The same contract but the endpoint: one difference, so it is a comparison.
+    let (text, _) = headroom_loadtest::analysis::compare(
+        &read(&dir.join("completions/result.json")),
+        &read(&dir.join("chat/result.json")),
+    );
+    assert!(
+        text.starts_with("Compared: the contracts differ only in `endpoint`"),
+        "{text}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
+    let r = sim().await;
+    let dir = tempdir("shards");
+    let trace = dir.join("chat.jsonl");
+    write_jsonl(
+        std::fs::File::create(&trace).unwrap(),
+        &synthesize(Contract::Chat, 20, 50.0, 1),
+    )
+    .unwrap();
+    let mut shards = Vec::new();
+    for i in 0..2 {
+        let out = dir.join(format!("shard{i}"));
+        let shard = format!("{i}/2");
+        run_replay(replay_args(&[
+            "--trace",
+            trace.to_str().unwrap(),
+            "--target",
+            &r.url(),
+            "--concurrency",
+            "4",
+            "--shard",
+            &shard,
+            "--out",
+            out.to_str().unwrap(),
+        ]))
+        .await
+        .unwrap();
+        assert_eq!(read(&out.join("result.json"))["summary"]["completed"], 10);
+        shards.push(out.join("result.json"));
+    }
+    let merged = dir.join("merged");
+    run_report(report_cmd(&[
+        "merge",
+        shards[0].to_str().unwrap(),
+        shards[1].to_str().unwrap(),
+        "--out",
+        merged.to_str().unwrap(),
+    ]))
+    .unwrap();
+    assert_eq!(
+        read(&merged.join("result.json"))["summary"]["completed"],
+        20
+    );
+
+    let sweep = dir.join("sweep");
+    run_replay(replay_args(&[
+        "--trace",
+        trace.to_str().unwrap(),
+        "--target",
+        &r.url(),
+        "--sweep",
+        "concurrency:1,2",
+        "--sweep-duration",
+        "0.3",
+        "--slo",
+        "ttft=10000",
+        "--out",
+        sweep.to_str().unwrap(),
+    ]))
+    .await
+    .unwrap();
+    let doc = read(&sweep.join("sweep.json"));
+    assert_eq!(doc["points"].as_array().unwrap().len(), 2);
+    assert_eq!(doc["verdict"]["largest_safe_level"], 2.0);
+    assert!(sweep.join("sweep.html").exists());
+
+    let tail = dir.join("tail");
+    let source = merged.join("result.json");
+    run_report(report_cmd(&[
+        "tail",
+        "--trace",
+        source.to_str().unwrap(),
+        "--out",
+        tail.to_str().unwrap(),
+    ]))
+    .unwrap();
+    let t = read(&tail.join("tail.json"));
+    assert_eq!(t["requests"], 20);
+    assert!(
+        t["buckets"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|b| !b["ttft_p99_ms"].is_null())
+    );
+}
