@@ -27,7 +27,7 @@
 #          and divides by all output tokens, so it is NOT compared.)
 #
 # Outputs in results/agreement-guidellm/: guidellm.json, guidellm.log,
-# trace.jsonl, replay/ (result.json, requests.csv, summary.txt), sim.log,
+# trace.jsonl, replay/ (result.json, requests.csv, summary.txt), replay.log, sim.log,
 # comparison.txt.
 #
 # Environment: GUIDELLM_VENV (default .cache/guidellm-venv), PYTHON (default
@@ -158,7 +158,7 @@ with open(dst, "w") as f:
     for i, r in enumerate(ok):
         p = int(r["prompt_tokens"])
         row = {"timestamp": round(i * 1000 / rate), "input_length": p, "output_length": out_tokens,
-               "hash_ids": [i + 1 + k for k in range(math.ceil(p / 512))]}
+               "hash_ids": [(i + 1) * 1000 + k for k in range(math.ceil(p / 512))]}
         f.write(json.dumps(row) + "\n")
 lens = sorted(int(r["prompt_tokens"]) for r in ok)
 print(f"==> trace: {n} rows, prompt tokens min {lens[0]} median {lens[len(lens)//2]} max {lens[-1]}",

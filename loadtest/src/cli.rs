@@ -493,11 +493,7 @@ impl SweepSpec {
 /// The knee: the first level after which more load buys less than 10% more output throughput
 /// per doubling. The largest safe level: the largest whose p99 TTFT (else p99 TPOT, else E2EL)
 /// is within the SLO, with every lower level within it too.
-pub fn sweep_verdict(
-    load: &str,
-    points: &[(f64, Summary)],
-    slo: Option<Slo>,
-) -> (Option<f64>, Option<f64>) {
+pub fn sweep_verdict(points: &[(f64, Summary)], slo: Option<Slo>) -> (Option<f64>, Option<f64>) {
     let knee = points
         .windows(2)
         .find(|w| {
@@ -507,7 +503,6 @@ pub fn sweep_verdict(
             s1.output_token_throughput < s0.output_token_throughput * (1.0 + 0.10 * doublings)
         })
         .map(|w| w[0].0);
-    let _ = load;
     let safe = slo.and_then(|slo| {
         let within = |s: &Summary| {
             if let Some(b) = slo.ttft_ms {
@@ -576,7 +571,7 @@ async fn run_sweep(
         );
         points.push((level, summary));
     }
-    let (knee, safe) = sweep_verdict(sweep.load, &points, slo);
+    let (knee, safe) = sweep_verdict(&points, slo);
     let knee_text = knee.map(|k| {
         format!("Knee: past {} = {k}, more load buys less than 10% more output throughput per doubling.", sweep.load)
     });
@@ -836,4 +831,55 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
         }
     }
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn summary(out_tps: f64, ttft_p99: f64) -> Summary {
+        let mut s = report::summarize(&[], None);
+        s.completed = 10;
+        s.output_token_throughput = out_tps;
+        s.ttft.p99_ms = ttft_p99;
+        s
+    }
+
+    #[test]
+    fn verdict_finds_the_knee_and_the_largest_safe_level() {
+        let points = vec![
+            (1.0, summary(100.0, 50.0)),
+            (2.0, summary(190.0, 60.0)),
+            (4.0, summary(360.0, 120.0)),
+            (8.0, summary(380.0, 390.0)),
+            (16.0, summary(385.0, 900.0)),
+            (32.0, summary(386.0, 300.0)),
+        ];
+        let slo = Slo::parse("ttft=400").unwrap();
+        let (knee, safe) = sweep_verdict(&points, Some(slo));
+        assert_eq!(knee, Some(4.0), "4 → 8 adds only 5.6%");
+        assert_eq!(safe, Some(8.0), "32 is within the SLO again, but 16 is not");
+        assert_eq!(sweep_verdict(&points, None).1, None);
+    }
+
+    #[test]
+    fn sweep_specs_and_shards_parse_or_say_why_not() {
+        assert_eq!(
+            SweepSpec::parse("concurrency:1,2,4").unwrap().levels,
+            vec![1.0, 2.0, 4.0]
+        );
+        assert!(SweepSpec::parse("concurrency:1.5,2").is_err());
+        assert!(SweepSpec::parse("rate:2,1").is_err());
+        assert!(SweepSpec::parse("speed:1,2").is_err());
+        assert_eq!(parse_shard("1/4").unwrap(), (1, 4));
+        assert!(parse_shard("4/4").is_err());
+    }
+
+    #[test]
+    fn prometheus_counters_and_cache_size_are_read() {
+        let text = "vllm:prefix_cache_queries_total{engine=\"0\",model_name=\"m\"} 1000\nvllm:prefix_cache_hits_total{engine=\"0\",model_name=\"m\"} 250\nvllm:cache_config_info{block_size=\"16\",engine=\"0\",num_gpu_blocks=\"101\"} 1\n";
+        assert_eq!(prefix_counters(text), Some((1000.0, 250.0)));
+        assert_eq!(kv_cache_tokens(text), Some(1600));
+        assert_eq!(prefix_counters("nothing"), None);
+    }
 }

@@ -155,8 +155,11 @@ pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Opti
 
 /// Bodies prepared ahead of their send time.
 const LOOKAHEAD: usize = 256;
-/// How long before its time a request is handed to the runtime.
-const EARLY_RELEASE: Duration = Duration::from_millis(2);
+/// How long before its time a request is handed to the runtime (waking a parked worker can take
+/// milliseconds on a busy machine).
+const EARLY_RELEASE: Duration = Duration::from_millis(10);
+/// How long before its time a released request stops sleeping and starts yielding.
+const SPIN_BEFORE: Duration = Duration::from_millis(3);
 
 struct Shared {
     client: reqwest::Client,
@@ -183,7 +186,15 @@ async fn send_one(
     body: bytes::Bytes,
 ) -> RequestResult {
     if let Some(at) = scheduled {
+        // Coarse wait on the runtime's timer, then yield until the exact instant: the worker is
+        // already awake when the time comes.
         let when = shared.start + at;
+        if let Some(coarse) = when
+            .checked_sub(SPIN_BEFORE)
+            .filter(|c| *c > Instant::now())
+        {
+            tokio::time::sleep_until(coarse.into()).await;
+        }
         while Instant::now() < when {
             tokio::task::yield_now().await;
         }

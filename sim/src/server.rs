@@ -10,6 +10,7 @@ use axum::extract::State;
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::{get, post};
+use axum::serve::ListenerExt;
 use headroom_workload::openai::{
     ChatCompletionRequest, ChatMessage, CompletionRequest, GenerationParams, Prompt, render_chat,
 };
@@ -724,13 +725,20 @@ async fn tokenize(State(r): State<Arc<Replica>>, body: Bytes) -> Result<Response
     .into_response())
 }
 
-/// Serves `router` on `listener` until `shutdown` resolves.
+/// Serves `router` on `listener` (with TCP_NODELAY on every connection) until `shutdown` resolves.
 pub async fn serve(
     listener: tokio::net::TcpListener,
     replica: Arc<Replica>,
     shutdown: impl std::future::Future<Output = ()> + Send + 'static,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(replica))
-        .with_graceful_shutdown(shutdown)
-        .await
+    axum::serve(
+        listener.tap_io(|tcp| {
+            // As uvicorn does for vLLM: without it, Nagle's algorithm and delayed ACKs hold a reused
+            // connection's first token back ~40 ms.
+            let _ = tcp.set_nodelay(true);
+        }),
+        router(replica),
+    )
+    .with_graceful_shutdown(shutdown)
+    .await
 }
