@@ -49,11 +49,11 @@ TOLERANCE_PCT="${TOLERANCE_PCT:-5}"
 # Run shape (the same as scripts/guidellm-run.sh, completions only).
 MODEL_NAME=sim-llama-3.1-8b
 ENDPOINT=/v1/completions
-RATE=4            # requests/s, constant (evenly spaced) arrivals
-REQUESTS=40
+RATE=${RATE:-4}            # requests/s, constant (evenly spaced) arrivals
+REQUESTS=${REQUESTS:-40}
 MAX_SECONDS=120   # guidellm's max_duration constraint
-PROMPT_TOKENS=256 # by the local tokenizer; the simulator counts ~93
-OUTPUT_TOKENS=64
+PROMPT_TOKENS=${PROMPT_TOKENS:-256} # by the local tokenizer; the simulator counts ~93
+OUTPUT_TOKENS=${OUTPUT_TOKENS:-64}
 SIM_ARGS=(sim --host 127.0.0.1 --port 0 --served-model-name "$MODEL_NAME")
 
 log() { printf '==> %s\n' "$*" >&2; }
