@@ -1,4 +1,6 @@
 //! headroom-proxy: the data plane (classify → admit → route → forward → measure → record).
 //!
-//! Not built yet: this crate holds its place in the workspace so dependencies already point the
-//! way ARCHITECTURE.md draws them. `headroom serve` arrives with the proxy issue.
+//! Built so far: routing (`routing/`), pure and synchronous. The pingora data plane that calls it
+//! (`headroom serve`) arrives with the rest of the proxy issue.
+
+pub mod routing;

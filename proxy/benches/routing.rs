@@ -1,0 +1,71 @@
+//! Routing hot paths on realistic prefixes: a 4,096-token prompt (256 blocks of 16) against a fleet
+//! of 8 replicas whose indices hold 20,000 blocks each, half of them sharing the prompt's first 128
+//! blocks.
+
+use criterion::{Criterion, criterion_group, criterion_main};
+use headroom_proxy::routing::{
+    BackendView, ConsistentHash, PrefixAffinity, PrefixIndex, RouteRequest, RoutingPolicy,
+};
+
+fn setup() -> (PrefixAffinity, Vec<BackendView>, Vec<u64>) {
+    let mut index = PrefixIndex::new();
+    let prompt: Vec<u64> = (0..256u64)
+        .map(|i| i.wrapping_mul(0x9E37_79B9_7F4A_7C15))
+        .collect();
+    for b in 0..8usize {
+        index.set_capacity(b, 20_000);
+        for j in 0..78u64 {
+            let blocks: Vec<u64> = (0..256u64)
+                .map(|i| (b as u64 * 1_000_003 + j * 7919 + i) | 1)
+                .collect();
+            index.record(b, &blocks);
+        }
+        if b % 2 == 0 {
+            index.record(b, &prompt[..128]);
+        }
+    }
+    let fleet = (0..8)
+        .map(|id| BackendView {
+            id,
+            key: id as u64 * 31 + 7,
+            healthy: true,
+            in_flight: 10,
+            pending_prefill_tokens: 5_000,
+            decoding: 8,
+        })
+        .collect();
+    (PrefixAffinity::new(index), fleet, prompt)
+}
+
+fn bench(c: &mut Criterion) {
+    let (policy, fleet, prompt) = setup();
+    let req = RouteRequest {
+        blocks: &prompt,
+        block_tokens: 16,
+        prompt_tokens: 4096,
+        session: None,
+    };
+    c.bench_function("prefix_index_overlaps_256_blocks_8_replicas", |b| {
+        b.iter(|| policy.with_index(|ix| ix.overlaps(std::hint::black_box(&prompt))))
+    });
+    c.bench_function("prefix_affinity_select", |b| {
+        b.iter(|| policy.select(std::hint::black_box(&req), &fleet))
+    });
+    c.bench_function("prefix_index_record_256_blocks", |b| {
+        b.iter(|| {
+            policy.record(
+                std::hint::black_box(&req),
+                &headroom_proxy::routing::Pick {
+                    backend: 3,
+                    matched_tokens: 0,
+                },
+            )
+        })
+    });
+    c.bench_function("consistent_hash_select_8_replicas", |b| {
+        b.iter(|| ConsistentHash.select(std::hint::black_box(&req), &fleet))
+    });
+}
+
+criterion_group!(benches, bench);
+criterion_main!(benches);

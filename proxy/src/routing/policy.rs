@@ -1,0 +1,369 @@
+//! The routing policies: `round_robin`, `least_load`, `session`, `consistent_hash` (bounded loads)
+//! and `prefix_affinity` (the cost in mod.rs).
+//!
+//! | policy | pick |
+//! |---|---|
+//! | `round_robin` | the next healthy replica in turn |
+//! | `least_load` | fewest requests in flight; ties by rendezvous hash of the request |
+//! | `session` | rendezvous hash of the session key over healthy replicas (stable when others come and go); no key: least load |
+//! | `consistent_hash` | walk a hash ring (`VNODES` points per replica) from the request's key and take the first replica whose in-flight count is under `ceil(c · (total + 1) / healthy)`, c = `BOUND` (Mirrokni et al., consistent hashing with bounded loads): proxies that share nothing agree on most picks |
+//! | `prefix_affinity` | argmin of the token cost over healthy replicas |
+
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use super::{
+    BackendView, NoBackend, Pick, PrefixIndex, RouteRequest, RoutingPolicy, healthy, rendezvous,
+};
+
+/// Ring points per replica.
+pub const VNODES: usize = 64;
+/// Load bound factor c of consistent hashing with bounded loads.
+pub const BOUND: f64 = 1.25;
+
+fn least_loaded_by<'a>(
+    candidates: &[&'a BackendView],
+    key: u64,
+    load: impl Fn(&BackendView) -> f64,
+) -> &'a BackendView {
+    // Lowest load; among equal loads the highest rendezvous score, so ties spread by request.
+    let mut best = candidates[0];
+    for &b in &candidates[1..] {
+        let (lb, lbest) = (load(b), load(best));
+        if lb < lbest || (lb == lbest && rendezvous(key, b.key) > rendezvous(key, best.key)) {
+            best = b;
+        }
+    }
+    best
+}
+
+/// Each healthy replica in turn.
+#[derive(Debug, Default)]
+pub struct RoundRobin {
+    next: AtomicUsize,
+}
+
+impl RoutingPolicy for RoundRobin {
+    fn name(&self) -> &'static str {
+        "round_robin"
+    }
+
+    fn select(&self, _req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
+        let h = healthy(fleet)?;
+        let i = self.next.fetch_add(1, Ordering::Relaxed) % h.len();
+        Ok(Pick {
+            backend: h[i].id,
+            matched_tokens: 0,
+        })
+    }
+}
+
+/// Fewest requests in flight.
+#[derive(Debug, Default)]
+pub struct LeastLoad;
+
+impl RoutingPolicy for LeastLoad {
+    fn name(&self) -> &'static str {
+        "least_load"
+    }
+
+    fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
+        let h = healthy(fleet)?;
+        let b = least_loaded_by(&h, req.hash_key(), |b| f64::from(b.in_flight));
+        Ok(Pick {
+            backend: b.id,
+            matched_tokens: 0,
+        })
+    }
+}
+
+/// Session affinity by rendezvous hashing of the session key.
+#[derive(Debug, Default)]
+pub struct Session;
+
+impl RoutingPolicy for Session {
+    fn name(&self) -> &'static str {
+        "session"
+    }
+
+    fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
+        let h = healthy(fleet)?;
+        let Some(session) = req.session else {
+            return LeastLoad.select(req, fleet);
+        };
+        let key = xxhash_rust::xxh3::xxh3_64(session.as_bytes());
+        let b = h
+            .iter()
+            .max_by_key(|b| rendezvous(key, b.key))
+            .copied()
+            .ok_or(NoBackend::NoneHealthy)?;
+        Ok(Pick {
+            backend: b.id,
+            matched_tokens: 0,
+        })
+    }
+}
+
+/// Consistent hashing with bounded loads.
+#[derive(Debug, Default)]
+pub struct ConsistentHash;
+
+impl RoutingPolicy for ConsistentHash {
+    fn name(&self) -> &'static str {
+        "consistent_hash"
+    }
+
+    fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
+        let h = healthy(fleet)?;
+        // The ring is rebuilt from the snapshot: a few hundred points, cheaper than keeping it in
+        // sync with health changes, and identical on every proxy that sees the same fleet.
+        let mut ring: Vec<(u64, &BackendView)> = Vec::with_capacity(h.len() * VNODES);
+        for b in &h {
+            for v in 0..VNODES as u64 {
+                ring.push((rendezvous(v, b.key), b));
+            }
+        }
+        ring.sort_unstable_by_key(|(p, b)| (*p, b.id));
+        let total: u64 = h.iter().map(|b| u64::from(b.in_flight)).sum();
+        let bound = (BOUND * (total + 1) as f64 / h.len() as f64).ceil() as u32;
+        let key = rendezvous(req.hash_key(), 0x5eed);
+        let start = ring.partition_point(|(p, _)| *p < key);
+        let chosen = (0..ring.len())
+            .map(|i| ring[(start + i) % ring.len()].1)
+            .find(|b| b.in_flight < bound)
+            .unwrap_or(ring[start % ring.len()].1);
+        Ok(Pick {
+            backend: chosen.id,
+            matched_tokens: 0,
+        })
+    }
+}
+
+/// Prefix affinity with the one-unit cost of mod.rs, over an approximate prefix index.
+#[derive(Debug)]
+pub struct PrefixAffinity {
+    index: Mutex<PrefixIndex>,
+    /// Tokens of prefill one decoding sequence is worth.
+    pub decode_weight: f64,
+}
+
+impl Default for PrefixAffinity {
+    fn default() -> Self {
+        Self::new(PrefixIndex::new())
+    }
+}
+
+impl PrefixAffinity {
+    /// A policy over `index` (whose per-replica capacities the caller sets from engine metrics).
+    pub fn new(index: PrefixIndex) -> Self {
+        Self {
+            index: Mutex::new(index),
+            decode_weight: 8.0,
+        }
+    }
+
+    /// Runs `f` on the index (to set capacities or forget replicas).
+    pub fn with_index<R>(&self, f: impl FnOnce(&mut PrefixIndex) -> R) -> R {
+        f(&mut self.index.lock().unwrap_or_else(|e| e.into_inner()))
+    }
+
+    /// The cost of sending `req` to `b`, given `b` holds `matched` prompt tokens.
+    pub fn cost(&self, req: &RouteRequest<'_>, b: &BackendView, matched: u32) -> f64 {
+        f64::from(req.prompt_tokens - matched.min(req.prompt_tokens))
+            + b.pending_prefill_tokens as f64
+            + self.decode_weight * f64::from(b.decoding)
+    }
+}
+
+impl RoutingPolicy for PrefixAffinity {
+    fn name(&self) -> &'static str {
+        "prefix_affinity"
+    }
+
+    fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
+        let h = healthy(fleet)?;
+        let depths = self.with_index(|ix| ix.overlaps(req.blocks));
+        let cap = req.prompt_tokens.saturating_sub(1);
+        let matched = |b: &BackendView| -> u32 {
+            depths.iter().find(|(r, _)| *r == b.id).map_or(0, |(_, d)| {
+                (*d as u64 * u64::from(req.block_tokens)).min(u64::from(cap)) as u32
+            })
+        };
+        let best = least_loaded_by(&h, req.hash_key(), |b| self.cost(req, b, matched(b)));
+        Ok(Pick {
+            backend: best.id,
+            matched_tokens: matched(best),
+        })
+    }
+
+    fn record(&self, req: &RouteRequest<'_>, pick: &Pick) {
+        self.with_index(|ix| ix.record(pick.backend, req.blocks));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet(n: usize) -> Vec<BackendView> {
+        (0..n)
+            .map(|id| BackendView {
+                id,
+                key: xxhash_rust::xxh3::xxh3_64(format!("http://10.0.0.{id}:8000").as_bytes()),
+                healthy: true,
+                in_flight: 0,
+                pending_prefill_tokens: 0,
+                decoding: 0,
+            })
+            .collect()
+    }
+
+    fn req(blocks: &[u64], prompt: u32) -> RouteRequest<'_> {
+        RouteRequest {
+            blocks,
+            block_tokens: 16,
+            prompt_tokens: prompt,
+            session: None,
+        }
+    }
+
+    #[test]
+    fn round_robin_cycles_over_healthy_replicas_only() {
+        let mut f = fleet(3);
+        f[1].healthy = false;
+        let rr = RoundRobin::default();
+        let picks: Vec<usize> = (0..4)
+            .map(|_| rr.select(&req(&[], 1), &f).unwrap().backend)
+            .collect();
+        assert_eq!(picks, vec![0, 2, 0, 2]);
+        for b in &mut f {
+            b.healthy = false;
+        }
+        assert_eq!(rr.select(&req(&[], 1), &f), Err(NoBackend::NoneHealthy));
+        assert_eq!(rr.select(&req(&[], 1), &[]), Err(NoBackend::Empty));
+    }
+
+    #[test]
+    fn least_load_picks_the_emptiest_and_spreads_ties() {
+        let mut f = fleet(4);
+        f[0].in_flight = 3;
+        f[1].in_flight = 1;
+        f[2].in_flight = 1;
+        f[3].in_flight = 2;
+        let mut seen = std::collections::HashSet::new();
+        for k in 0..64u64 {
+            let blocks = [k];
+            let b = LeastLoad.select(&req(&blocks, 10), &f).unwrap().backend;
+            assert!(b == 1 || b == 2);
+            seen.insert(b);
+        }
+        assert_eq!(seen.len(), 2, "ties are spread, not always the first");
+    }
+
+    #[test]
+    fn sessions_stick_and_move_only_when_their_replica_goes() {
+        let mut f = fleet(5);
+        let pick = |f: &[BackendView], s: &str| {
+            Session
+                .select(
+                    &RouteRequest {
+                        session: Some(s),
+                        ..req(&[], 1)
+                    },
+                    f,
+                )
+                .unwrap()
+                .backend
+        };
+        let before: Vec<usize> = (0..200).map(|i| pick(&f, &format!("user-{i}"))).collect();
+        assert_eq!(
+            before,
+            (0..200)
+                .map(|i| pick(&f, &format!("user-{i}")))
+                .collect::<Vec<_>>()
+        );
+        f[2].healthy = false;
+        for (i, &b) in before.iter().enumerate() {
+            let now = pick(&f, &format!("user-{i}"));
+            if b != 2 {
+                assert_eq!(now, b, "sessions on healthy replicas do not move");
+            } else {
+                assert_ne!(now, 2);
+            }
+        }
+    }
+
+    #[test]
+    fn consistent_hash_agrees_across_proxies_and_bounds_load() {
+        let f = fleet(4);
+        let keys: Vec<[u64; 1]> = (0..400u64).map(|k| [k * 7919]).collect();
+        // Two proxies with the same snapshot pick the same replicas.
+        let a: Vec<usize> = keys
+            .iter()
+            .map(|k| ConsistentHash.select(&req(k, 10), &f).unwrap().backend)
+            .collect();
+        let b: Vec<usize> = keys
+            .iter()
+            .map(|k| ConsistentHash.select(&req(k, 10), &f).unwrap().backend)
+            .collect();
+        assert_eq!(a, b);
+        // Feeding picks back as load never lets a replica exceed the bound.
+        let mut f = fleet(4);
+        for k in &keys[..100] {
+            let p = ConsistentHash.select(&req(k, 10), &f).unwrap().backend;
+            f[p].in_flight += 1;
+            let total: u32 = f.iter().map(|b| b.in_flight).sum();
+            let bound = (BOUND * f64::from(total) / 4.0).ceil() as u32 + 1;
+            assert!(f[p].in_flight <= bound, "{} > {bound}", f[p].in_flight);
+        }
+        let max = f.iter().map(|b| b.in_flight).max().unwrap();
+        assert!(f64::from(max) <= BOUND * 25.0 + 1.0, "max {max}");
+    }
+
+    #[test]
+    fn prefix_affinity_follows_the_cache_until_the_queue_costs_more() {
+        let p = PrefixAffinity::default();
+        let f = fleet(3);
+        p.with_index(|ix| {
+            for b in 0..3 {
+                ix.set_capacity(b, 10_000);
+            }
+        });
+        let shared: Vec<u64> = (0..100).collect(); // 1,600 tokens
+        let first = p.select(&req(&shared, 1700), &f).unwrap();
+        p.record(&req(&shared, 1700), &first);
+        // The same prefix again goes where it is cached: 1,599 tokens saved.
+        let again = p.select(&req(&shared, 1700), &f).unwrap();
+        assert_eq!(again.backend, first.backend);
+        assert_eq!(again.matched_tokens, 1600);
+        // With 1,000 tokens already queued there it still wins (100 + 1,000 < 1,700)…
+        let mut f2 = f.clone();
+        f2[first.backend].pending_prefill_tokens = 1000;
+        assert_eq!(
+            p.select(&req(&shared, 1700), &f2).unwrap().backend,
+            first.backend
+        );
+        // …but with 2,000 queued, recomputing elsewhere is cheaper.
+        f2[first.backend].pending_prefill_tokens = 2000;
+        assert_ne!(
+            p.select(&req(&shared, 1700), &f2).unwrap().backend,
+            first.backend
+        );
+    }
+
+    #[test]
+    fn prefix_affinity_caps_matches_below_the_prompt_and_spreads_cold_prompts() {
+        let p = PrefixAffinity::default();
+        let f = fleet(4);
+        p.with_index(|ix| (0..4).for_each(|b| ix.set_capacity(b, 1000)));
+        let blocks = [1u64, 2];
+        let pick = p.select(&req(&blocks, 32), &f).unwrap();
+        p.record(&req(&blocks, 32), &pick);
+        assert_eq!(p.select(&req(&blocks, 32), &f).unwrap().matched_tokens, 31);
+        let mut seen = std::collections::HashSet::new();
+        for k in 100..200u64 {
+            seen.insert(p.select(&req(&[k], 16), &f).unwrap().backend);
+        }
+        assert_eq!(seen.len(), 4, "cold prompts spread over an idle fleet");
+    }
+}
