@@ -95,6 +95,22 @@ impl Replica {
         &self.engine
     }
 
+    /// vLLM's 404 for a `model` it does not serve (an absent `model` is accepted).
+    fn check_model(&self, model: Option<&str>) -> Result<(), ApiError> {
+        match model {
+            Some(m) if m != self.settings.served_model_name => Err(ApiError {
+                status: 404,
+                kind: "NotFoundError",
+                message: format!(
+                    "The model `{m}` does not exist. Valid aliases: {}.",
+                    self.settings.served_model_name
+                ),
+                param: Some("model".to_owned()),
+            }),
+            _ => Ok(()),
+        }
+    }
+
     fn cold(&self) -> bool {
         self.started.elapsed() < self.settings.startup_duration
     }
@@ -373,19 +389,7 @@ async fn generate(
     }
     let (prompt, params) = prompt_tokens(endpoint, &body)?;
     let s = &r.settings;
-    if let Some(model) = params.model.as_deref() {
-        if model != s.served_model_name {
-            return Err(ApiError {
-                status: 404,
-                kind: "NotFoundError",
-                message: format!(
-                    "The model `{model}` does not exist. Valid aliases: {}.",
-                    s.served_model_name
-                ),
-                param: Some("model".to_owned()),
-            });
-        }
-    }
+    r.check_model(params.model.as_deref())?;
     if params.stream_options.is_some() && !params.stream {
         return Err(ApiError::bad_request(
             "Stream options can only be defined when `stream=True`.",
@@ -682,19 +686,7 @@ async fn tokenize(State(r): State<Arc<Replica>>, body: Bytes) -> Result<Response
     let req: TokenizeRequest =
         serde_json::from_slice(&body).map_err(|e| ApiError::validation(&e))?;
     let s = &r.settings;
-    if let Some(model) = req.model.as_deref() {
-        if model != s.served_model_name {
-            return Err(ApiError {
-                status: 404,
-                kind: "NotFoundError",
-                message: format!(
-                    "The model `{model}` does not exist. Valid aliases: {}.",
-                    s.served_model_name
-                ),
-                param: Some("model".to_owned()),
-            });
-        }
-    }
+    r.check_model(req.model.as_deref())?;
     let (text, special_default) = match (req.prompt, req.messages) {
         (Some(p), None) => (p, true),
         (None, Some(m)) => (render_chat(&m), false),

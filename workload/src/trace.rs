@@ -219,46 +219,91 @@ fn columns(header: &str, wanted: &[&str]) -> Result<Vec<usize>, TraceError> {
         .collect()
 }
 
-/// Imports the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`). Azure
-/// has no prefix information: every request gets its own hash ids.
-pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+/// One CSV data row: its line number and a field getter by column index.
+struct CsvRow<'a> {
+    line: usize,
+    text: &'a str,
+    fields: Vec<&'a str>,
+}
+
+impl CsvRow<'_> {
+    fn get(&self, col: usize) -> &str {
+        self.fields.get(col).copied().unwrap_or("").trim()
+    }
+
+    fn parse<T: std::str::FromStr>(&self, col: usize, what: &str) -> Result<T, TraceError> {
+        self.get(col).parse().map_err(|_| TraceError::Invalid {
+            line: self.line,
+            reason: format!("bad {what}: {:?}", self.text),
+        })
+    }
+}
+
+/// Reads a CSV with a header naming `required` columns (and `optional` ones, when present),
+/// calling `row` for every non-blank data line with the column indices found.
+fn read_csv(
+    reader: impl BufRead,
+    required: &[&str],
+    optional: &[&str],
+    mut row: impl FnMut(&CsvRow<'_>, &[usize], &[Option<usize>]) -> Result<(), TraceError>,
+) -> Result<(), TraceError> {
     let mut lines = reader.lines();
     let header = match lines.next() {
         Some(h) => h.map_err(|source| TraceError::Io { line: 1, source })?,
-        None => return Ok(Vec::new()),
+        None => return Ok(()),
     };
-    let cols = columns(&header, &["TIMESTAMP", "ContextTokens", "GeneratedTokens"])?;
-    let mut out = Vec::new();
-    let mut first = None;
+    let cols = columns(&header, required)?;
+    let opt: Vec<Option<usize>> = optional
+        .iter()
+        .map(|c| columns(&header, &[c]).ok().map(|v| v[0]))
+        .collect();
     for (i, line) in lines.enumerate() {
         let line_no = i + 2;
-        let line = line.map_err(|source| TraceError::Io {
+        let text = line.map_err(|source| TraceError::Io {
             line: line_no,
             source,
         })?;
-        if line.trim().is_empty() {
+        if text.trim().is_empty() {
             continue;
         }
-        let f: Vec<&str> = line.split(',').collect();
-        let get = |c: usize| f.get(c).copied().unwrap_or("").trim();
-        let bad = |what: &str| TraceError::Invalid {
+        let r = CsvRow {
             line: line_no,
-            reason: format!("bad {what}: {line:?}"),
+            text: &text,
+            fields: text.split(',').collect(),
         };
-        let at = parse_datetime_ms(get(cols[0])).ok_or_else(|| bad("TIMESTAMP"))?;
-        let input: u32 = get(cols[1]).parse().map_err(|_| bad("ContextTokens"))?;
-        let output: u32 = get(cols[2]).parse().map_err(|_| bad("GeneratedTokens"))?;
-        if input == 0 {
-            continue;
-        }
-        let start = *first.get_or_insert(at);
-        out.push(TraceRecord {
-            timestamp: (at - start).max(0.0).round() as u64,
-            input_length: input,
-            output_length: output,
-            ..TraceRecord::default()
-        });
+        row(&r, &cols, &opt)?;
     }
+    Ok(())
+}
+
+/// Imports the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`). Azure
+/// has no prefix information: every request gets its own hash ids.
+pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+    let mut out = Vec::new();
+    let mut first = None;
+    read_csv(
+        reader,
+        &["TIMESTAMP", "ContextTokens", "GeneratedTokens"],
+        &[],
+        |r, c, _| {
+            let at = parse_datetime_ms(r.get(c[0])).ok_or_else(|| TraceError::Invalid {
+                line: r.line,
+                reason: format!("bad TIMESTAMP: {:?}", r.text),
+            })?;
+            let input: u32 = r.parse(c[1], "ContextTokens")?;
+            let output: u32 = r.parse(c[2], "GeneratedTokens")?;
+            if input > 0 {
+                let start = *first.get_or_insert(at);
+                out.push(TraceRecord {
+                    timestamp: (at - start).max(0.0).round() as u64,
+                    input_length: input,
+                    output_length: output,
+                    ..TraceRecord::default()
+                });
+            }
+            Ok(())
+        },
+    )?;
     sort_and_fill(&mut out);
     Ok(out)
 }
@@ -266,49 +311,28 @@ pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError
 /// Imports a BurstGPT CSV (`Timestamp` s, `Session ID`, `Model`, `Request tokens`,
 /// `Response tokens`, …). No prefix information: fresh hash ids per request; the session id is kept.
 pub fn import_burstgpt(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
-    let mut lines = reader.lines();
-    let header = match lines.next() {
-        Some(h) => h.map_err(|source| TraceError::Io { line: 1, source })?,
-        None => return Ok(Vec::new()),
-    };
-    let cols = columns(
-        &header,
-        &["Timestamp", "Model", "Request tokens", "Response tokens"],
-    )?;
-    let session = columns(&header, &["Session ID"]).ok().map(|c| c[0]);
     let mut out = Vec::new();
     let mut first = None;
-    for (i, line) in lines.enumerate() {
-        let line_no = i + 2;
-        let line = line.map_err(|source| TraceError::Io {
-            line: line_no,
-            source,
-        })?;
-        if line.trim().is_empty() {
-            continue;
+    let required = ["Timestamp", "Model", "Request tokens", "Response tokens"];
+    read_csv(reader, &required, &["Session ID"], |r, c, opt| {
+        let at: f64 = r.parse(c[0], "Timestamp")?;
+        let input: u32 = r.parse(c[2], "Request tokens")?;
+        let output: u32 = r.parse(c[3], "Response tokens")?;
+        if input > 0 {
+            let start = *first.get_or_insert(at);
+            out.push(TraceRecord {
+                timestamp: ((at - start) * 1e3).max(0.0).round() as u64,
+                input_length: input,
+                output_length: output,
+                model: Some(r.get(c[1]).to_owned()).filter(|m| !m.is_empty()),
+                session_id: opt[0]
+                    .map(|k| r.get(k).to_owned())
+                    .filter(|s| !s.is_empty()),
+                ..TraceRecord::default()
+            });
         }
-        let f: Vec<&str> = line.split(',').collect();
-        let get = |c: usize| f.get(c).copied().unwrap_or("").trim();
-        let bad = |what: &str| TraceError::Invalid {
-            line: line_no,
-            reason: format!("bad {what}: {line:?}"),
-        };
-        let at: f64 = get(cols[0]).parse().map_err(|_| bad("Timestamp"))?;
-        let input: u32 = get(cols[2]).parse().map_err(|_| bad("Request tokens"))?;
-        let output: u32 = get(cols[3]).parse().map_err(|_| bad("Response tokens"))?;
-        if input == 0 {
-            continue;
-        }
-        let start = *first.get_or_insert(at);
-        out.push(TraceRecord {
-            timestamp: ((at - start) * 1e3).max(0.0).round() as u64,
-            input_length: input,
-            output_length: output,
-            model: Some(get(cols[1]).to_owned()).filter(|m| !m.is_empty()),
-            session_id: session.map(|c| get(c).to_owned()).filter(|s| !s.is_empty()),
-            ..TraceRecord::default()
-        });
-    }
+        Ok(())
+    })?;
     sort_and_fill(&mut out);
     Ok(out)
 }
