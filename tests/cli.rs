@@ -1,0 +1,92 @@
+//! The `headroom` binary as a user runs it: the demo end to end (small), the simulator's table,
+//! and bad input answered with a clear error and a failing exit code.
+
+use std::process::Command;
+
+fn headroom(args: &[&str]) -> std::process::Output {
+    Command::new(env!("CARGO_BIN_EXE_headroom"))
+        .args(args)
+        .output()
+        .expect("the binary runs")
+}
+
+#[test]
+fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
+    let out_dir = std::env::temp_dir().join(format!("headroom-demo-{}", std::process::id()));
+    let out = headroom(&[
+        "demo",
+        "--requests",
+        "12",
+        "--rate",
+        "40",
+        "--out",
+        out_dir.to_str().unwrap(),
+    ]);
+    let stdout = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(stdout.contains("12 of 12 requests completed"), "{stdout}");
+    assert!(stdout.contains("TTFT"));
+    let report: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap())
+            .unwrap();
+    assert_eq!(report["contract"]["requests"], 12);
+    assert_eq!(report["results"]["completed"], 12);
+}
+
+#[test]
+fn the_knee_table_is_computed_by_the_model() {
+    let out = headroom(&["sim", "--table"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(text.contains("| 1 | 7.53 |"), "{text}");
+    assert!(
+        text.contains("Memory knee: the KV cache holds 200 sequences"),
+        "{text}"
+    );
+}
+
+#[test]
+fn bad_input_gets_a_clear_error() {
+    for (args, expected) in [
+        (
+            vec!["sim", "--profile", "gpt-9", "--table"],
+            "unknown --profile",
+        ),
+        (
+            vec!["sim", "--max-model-len", "999999999", "--port", "0"],
+            "needs more KV cache",
+        ),
+        (
+            vec![
+                "replay",
+                "--trace",
+                "/nonexistent.jsonl",
+                "--target",
+                "http://127.0.0.1:9",
+            ],
+            "opening trace",
+        ),
+        (
+            vec![
+                "trace",
+                "synth",
+                "--contract",
+                "rag",
+                "--rate",
+                "0",
+                "-o",
+                "/tmp/x.jsonl",
+            ],
+            "must be positive",
+        ),
+    ] {
+        let out = headroom(&args);
+        assert!(!out.status.success(), "{args:?} should fail");
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        assert!(stderr.contains(expected), "{args:?}: {stderr}");
+    }
+}
