@@ -1,24 +1,19 @@
-//! `headroom demo`: simulated vLLM replicas, a seeded multi-tenant chat workload replayed against
-//! them open-loop, and a report of what users felt, with the workload contract written beside it.
+//! `headroom demo`: simulated vLLM replicas, a seeded multi-tenant chat trace generated on the spot,
+//! replayed against them with `headroom replay`, ending in its report (text, JSON with the workload
+//! contract, CSV, HTML).
 //!
 //! Today the requests go to the replicas round-robin, as a plain load balancer would send them;
 //! the proxy (prefix-affinity routing, admission) slots in between once it exists.
 
 use std::path::PathBuf;
-use std::sync::Arc;
-use std::sync::atomic::Ordering;
-use std::time::{Duration, Instant};
 
 use anyhow::Context;
-use headroom_loadtest::client::Timing;
-use headroom_loadtest::open_loop::{self, Planned, Progress};
-use headroom_loadtest::stats::{LatencyHistogram, Percentiles};
+use headroom_loadtest::cli::{ReplayArgs, run_replay};
 use headroom_loadtest::synth;
 use headroom_sim::SimArgs;
+use headroom_workload::trace::{TraceRecord, write_jsonl};
 use rand::rngs::StdRng;
 use rand::{Rng, SeedableRng};
-use serde::Serialize;
-use serde_json::json;
 
 /// Flags of `headroom demo`.
 #[derive(Debug, Clone, clap::Args)]
@@ -38,132 +33,56 @@ pub struct DemoArgs {
     /// Seed of the workload.
     #[arg(long, default_value_t = 42)]
     pub seed: u64,
-    /// Where the report and its contract are written.
+    /// Where the trace, the report and its contract are written.
     #[arg(long, default_value = "results/demo")]
     pub out: PathBuf,
 }
 
-/// The workload contract: everything needed to reproduce the numbers beside it.
-#[derive(Debug, Serialize)]
-struct Contract {
-    command: String,
-    seed: u64,
-    requests: usize,
-    arrival: String,
-    endpoint: &'static str,
-    tenants: u64,
-    system_prompt_tokens: u32,
-    user_prompt_tokens: String,
-    output_tokens: String,
-    sampling: &'static str,
-    routing: &'static str,
-    replicas: u16,
-    engine: String,
-}
+/// Tokens per hash id in the demo trace (the engine's block size, so sharing is exact).
+const BLOCK: u32 = 16;
+/// Blocks of each tenant's system prompt (592 tokens).
+const SYSTEM_BLOCKS: u32 = 37;
 
-#[derive(Debug, Serialize)]
-struct Results {
-    completed: usize,
-    failed: usize,
-    duration_s: f64,
-    requests_per_s: f64,
-    output_tokens_per_s: f64,
-    ttft: Percentiles,
-    itl: Percentiles,
-    tpot: Percentiles,
-    e2e: Percentiles,
-    replicas: Vec<serde_json::Value>,
-}
-
-const SYSTEM_TOKENS: u32 = 600;
-
-fn plan(args: &DemoArgs, urls: &[String]) -> Vec<Planned> {
+/// The demo workload: each request is a tenant's shared system prompt, then a user message of
+/// log-normal length (median 250, σ 0.9, 8..6,000 tokens); answers log-normal (median 150, σ 0.6,
+/// 4..1,024 tokens); tenants drawn uniformly; Poisson arrivals.
+pub fn demo_trace(args: &DemoArgs) -> Vec<TraceRecord> {
     let mut rng = StdRng::seed_from_u64(args.seed);
-    let mut at = 0.0;
+    let mut t = 0.0;
+    let mut next_id = 1_000_000_000u64;
     (0..args.requests)
         .map(|i| {
-            at += synth::poisson_gap(&mut rng, args.rate);
+            if i > 0 {
+                t += synth::poisson_gap(&mut rng, args.rate);
+            }
             let tenant = rng.random_range(0..args.tenants.max(1));
             let user = synth::lognormal_len(&mut rng, 250.0, 0.9, 8, 6000);
             let output = synth::lognormal_len(&mut rng, 150.0, 0.6, 4, 1024);
-            let body = json!({
-                "model": "meta-llama/Llama-3.1-8B-Instruct",
-                "messages": [
-                    {"role": "system", "content": synth::text(SYSTEM_TOKENS as usize, 1_000 + tenant)},
-                    {"role": "user", "content": synth::text(user as usize, args.seed * 1_000_003 + i as u64)},
-                ],
-                "stream": true,
-                "stream_options": {"include_usage": true},
-                "max_tokens": output,
-                "ignore_eos": true,
-                "temperature": 0,
-            });
-            Planned { at: Duration::from_secs_f64(at), url: format!("{}/v1/chat/completions", urls[i % urls.len()]), body }
+            let input = SYSTEM_BLOCKS * BLOCK + user;
+            let mut hash_ids: Vec<u64> = (0..u64::from(SYSTEM_BLOCKS))
+                .map(|k| (tenant + 1) * 1_000_000 + k)
+                .collect();
+            let fresh = u64::from(input.div_ceil(BLOCK) - SYSTEM_BLOCKS);
+            hash_ids.extend(next_id..next_id + fresh);
+            next_id += fresh;
+            TraceRecord {
+                timestamp: (t * 1e3) as u64,
+                input_length: input,
+                output_length: output,
+                hash_ids,
+                block_tokens: Some(BLOCK),
+                session_id: Some(format!("tenant-{tenant}")),
+                ..TraceRecord::default()
+            }
         })
         .collect()
-}
-
-#[derive(Debug, Default)]
-struct Histograms {
-    ttft: LatencyHistogram,
-    itl: LatencyHistogram,
-    tpot: LatencyHistogram,
-    e2e: LatencyHistogram,
-}
-
-fn summarize(timings: &[Timing]) -> Histograms {
-    let mut h = Histograms::default();
-    for t in timings.iter().filter(|t| t.ok()) {
-        if let Some(d) = t.ttft {
-            h.ttft.record(d);
-        }
-        for d in &t.itl {
-            h.itl.record(*d);
-        }
-        if let Some(d) = t.tpot() {
-            h.tpot.record(d);
-        }
-        h.e2e.record(t.e2e);
-    }
-    h
-}
-
-async fn scrape(client: &reqwest::Client, url: &str) -> anyhow::Result<serde_json::Value> {
-    let text = client
-        .get(format!("{url}/metrics"))
-        .send()
-        .await?
-        .text()
-        .await?;
-    let sum = |name: &str| -> f64 {
-        text.lines()
-            .filter(|l| l.starts_with(name) && l[name.len()..].starts_with('{'))
-            .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-            .sum()
-    };
-    let queries = sum("vllm:prefix_cache_queries_total");
-    let hits = sum("vllm:prefix_cache_hits_total");
-    Ok(json!({
-        "url": url,
-        "prefix_cache_hit_rate": if queries > 0.0 { hits / queries } else { 0.0 },
-        "prompt_tokens": sum("vllm:prompt_tokens_total"),
-        "generation_tokens": sum("vllm:generation_tokens_total"),
-        "preemptions": sum("vllm:num_preemptions_total"),
-    }))
-}
-
-fn row(name: &str, p: &Percentiles) -> String {
-    format!(
-        "  {name:<6} p50 {:>8.1} ms   p95 {:>8.1} ms   p99 {:>8.1} ms   max {:>8.1} ms   (n={})\n",
-        p.p50_ms, p.p95_ms, p.p99_ms, p.max_ms, p.count
-    )
 }
 
 /// Runs the demo.
 pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
     anyhow::ensure!(
-        args.requests > 0 && args.rate > 0.0 && args.replicas > 0,
-        "--requests, --rate and --replicas must be positive"
+        args.requests > 0 && args.rate > 0.0 && args.replicas > 0 && args.tenants > 0,
+        "--requests, --rate, --replicas and --tenants must be positive"
     );
     let sim_flags = [
         "--port".to_owned(),
@@ -180,120 +99,55 @@ pub async fn run(args: DemoArgs) -> anyhow::Result<()> {
         urls.join(", ")
     );
 
-    let plan = plan(&args, &urls);
-    let total = plan.len();
-    let span = plan.last().map_or(0.0, |p| p.at.as_secs_f64());
-    eprintln!(
-        "headroom demo: replaying {total} chat requests from {} tenants over ~{span:.0} s (Poisson {} req/s), round-robin",
-        args.tenants, args.rate
-    );
-    let progress = Arc::new(Progress::default());
-    let ticker = {
-        let progress = progress.clone();
-        tokio::spawn(async move {
-            let mut tick = tokio::time::interval(Duration::from_secs(2));
-            tick.tick().await;
-            loop {
-                tick.tick().await;
-                eprintln!(
-                    "  sent {:>4}/{total}   done {:>4}   failed {}",
-                    progress.sent.load(Ordering::Relaxed),
-                    progress.done.load(Ordering::Relaxed),
-                    progress.failed.load(Ordering::Relaxed)
-                );
-            }
-        })
-    };
-    let client = reqwest::Client::builder()
-        .pool_max_idle_per_host(1024)
-        .build()?;
-    let started = Instant::now();
-    let timings = open_loop::run(client.clone(), plan, progress).await;
-    let duration = started.elapsed().as_secs_f64();
-    ticker.abort();
-
-    let h = summarize(&timings);
-    let completed = timings.iter().filter(|t| t.ok()).count();
-    let output_tokens: u64 = timings
-        .iter()
-        .filter(|t| t.ok())
-        .map(|t| t.completion_tokens)
-        .sum();
-    let mut replicas = Vec::new();
-    for url in &urls {
-        replicas.push(scrape(&client, url).await?);
-    }
-    let results = Results {
-        completed,
-        failed: timings.len() - completed,
-        duration_s: duration,
-        requests_per_s: completed as f64 / duration,
-        output_tokens_per_s: output_tokens as f64 / duration,
-        ttft: h.ttft.percentiles(),
-        itl: h.itl.percentiles(),
-        tpot: h.tpot.percentiles(),
-        e2e: h.e2e.percentiles(),
-        replicas,
-    };
-    let contract = Contract {
-        command: format!(
-            "headroom demo --replicas {} --requests {} --rate {} --tenants {} --seed {}",
-            args.replicas, args.requests, args.rate, args.tenants, args.seed
-        ),
-        seed: args.seed,
-        requests: args.requests,
-        arrival: format!("open loop, Poisson, {} req/s", args.rate),
-        endpoint: "/v1/chat/completions, stream, include_usage",
-        tenants: args.tenants,
-        system_prompt_tokens: SYSTEM_TOKENS,
-        user_prompt_tokens: "log-normal, median 250, sigma 0.9, clamped 8..6000".into(),
-        output_tokens: "log-normal, median 150, sigma 0.6, clamped 4..1024, ignore_eos".into(),
-        sampling: "temperature 0",
-        routing: "round-robin across replicas (no proxy yet)",
-        replicas: args.replicas,
-        engine: format!(
-            "headroom sim {}: vLLM 0.33 scheduler, Llama-3.1-8B on H100 roofline timing",
-            env!("CARGO_PKG_VERSION")
-        ),
-    };
-
-    let mut report = String::new();
-    report.push_str(&format!(
-        "\nheadroom demo: {} of {} requests completed in {duration:.1} s ({:.2} req/s, {:.0} output tokens/s)\n",
-        results.completed, total, results.requests_per_s, results.output_tokens_per_s
-    ));
-    report.push_str(&row("TTFT", &results.ttft));
-    report.push_str(&row("ITL", &results.itl));
-    report.push_str(&row("TPOT", &results.tpot));
-    report.push_str(&row("E2E", &results.e2e));
-    for r in &results.replicas {
-        report.push_str(&format!(
-            "  replica {}: prefix-cache hit rate {:.1}%, {} preemptions\n",
-            r["url"].as_str().unwrap_or("?"),
-            100.0 * r["prefix_cache_hit_rate"].as_f64().unwrap_or(0.0),
-            r["preemptions"]
-        ));
-    }
-    report.push_str(&format!("  contract: {}\n", contract.command));
-    print!("{report}");
-
     std::fs::create_dir_all(&args.out)
         .with_context(|| format!("creating {}", args.out.display()))?;
-    let path = args.out.join("report.json");
-    std::fs::write(
-        &path,
-        serde_json::to_string_pretty(&json!({"contract": contract, "results": results}))?,
-    )
-    .with_context(|| format!("writing {}", path.display()))?;
+    let trace_path = args.out.join("trace.jsonl");
+    let file = std::fs::File::create(&trace_path)
+        .with_context(|| format!("creating {}", trace_path.display()))?;
+    write_jsonl(std::io::BufWriter::new(file), &demo_trace(&args))?;
     eprintln!(
-        "headroom demo: report and contract written to {}",
-        path.display()
+        "headroom demo: {} chat requests from {} tenants (each with a 592-token system prompt), Poisson {} req/s, sent round-robin",
+        args.requests, args.tenants, args.rate
     );
+
+    let replay = ReplayArgs::from_flags([
+        "--trace".to_owned(),
+        trace_path.display().to_string(),
+        "--target".to_owned(),
+        urls.join(","),
+        "--endpoint".to_owned(),
+        "chat".to_owned(),
+        "--seed".to_owned(),
+        args.seed.to_string(),
+        "--slo".to_owned(),
+        "ttft=400,tpot=50".to_owned(),
+        "--hardware".to_owned(),
+        format!(
+            "headroom sim: {} × Llama-3.1-8B on H100 (roofline), round-robin, no proxy",
+            args.replicas
+        ),
+        "--out".to_owned(),
+        args.out.display().to_string(),
+    ])?;
+    let result = run_replay(replay).await;
     for r in fleet {
         r.shutdown().await?;
     }
-    if results.failed > 0 {
-        anyhow::bail!("{} requests failed", results.failed);
+    let result = result?;
+    let doc: serde_json::Value = serde_json::from_str(&std::fs::read_to_string(&result)?)?;
+    for t in doc["target_observed"]["targets"]
+        .as_array()
+        .into_iter()
+        .flatten()
+    {
+        println!(
+            "replica {}: prefix-cache hit rate {:.1}%",
+            t["url"].as_str().unwrap_or("?"),
+            100.0 * t["prefix_cache_hit_rate"].as_f64().unwrap_or(0.0)
+        );
     }
+    println!("report: {}", args.out.join("report.html").display());
+    let failed = doc["summary"]["failed"].as_u64().unwrap_or(0);
+    anyhow::ensure!(failed == 0, "{failed} requests failed");
     Ok(())
 }

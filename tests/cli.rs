@@ -28,13 +28,26 @@ fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(stdout.contains("12 of 12 requests completed"), "{stdout}");
+    assert!(
+        stdout.contains("12 measured, 12 completed, 0 failed"),
+        "{stdout}"
+    );
     assert!(stdout.contains("TTFT"));
-    let report: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out_dir.join("report.json")).unwrap())
+    assert!(stdout.contains("prefix-cache hit rate"), "{stdout}");
+    let result: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out_dir.join("result.json")).unwrap())
             .unwrap();
-    assert_eq!(report["contract"]["requests"], 12);
-    assert_eq!(report["results"]["completed"], 12);
+    assert_eq!(result["contract"]["trace"]["requests"], 12);
+    assert_eq!(
+        result["contract"]["target"]["urls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        2
+    );
+    assert_eq!(result["summary"]["completed"], 12);
+    assert_eq!(result["summary"]["lengths"]["prompt_mismatches"], 0);
+    assert!(out_dir.join("report.html").exists());
 }
 
 #[test]

@@ -6,7 +6,7 @@
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use headroom_loadtest::open_loop::Progress;
+use headroom_loadtest::replay::Counters as Progress;
 use headroom_loadtest::stats::LatencyHistogram;
 use headroom_loadtest::{closed_loop, synth};
 use serde_json::json;

@@ -160,9 +160,10 @@ pub struct ReplayArgs {
     /// The trace (headroom/Mooncake JSONL, Azure or BurstGPT CSV).
     #[arg(long)]
     pub trace: PathBuf,
-    /// Base URL of the target (a proxy or an engine).
-    #[arg(long)]
-    pub target: String,
+    /// Base URL of the target (a proxy or an engine); several (repeated or comma-separated) are
+    /// visited round-robin, as a plain load balancer would.
+    #[arg(long, required = true, num_args = 1.., value_delimiter = ',')]
+    pub target: Vec<String>,
     /// Endpoint the prompts are sent to.
     #[arg(long, value_enum, default_value_t = Endpoint::Completions)]
     pub endpoint: Endpoint,
@@ -216,6 +217,26 @@ pub struct ReplayArgs {
     /// Directory for result.json, requests.csv, summary.txt and report.html (sweeps: sweep.*).
     #[arg(long, default_value = "results/replay")]
     pub out: PathBuf,
+}
+
+#[derive(Debug, clap::Parser)]
+struct ReplayFlags {
+    #[command(flatten)]
+    args: ReplayArgs,
+}
+
+impl ReplayArgs {
+    /// Parses `headroom replay` flags from a list (for the demo and tests).
+    pub fn from_flags<I, S>(flags: I) -> Result<Self, clap::Error>
+    where
+        I: IntoIterator<Item = S>,
+        S: Into<std::ffi::OsString> + Clone,
+    {
+        use clap::Parser;
+        let argv = std::iter::once(std::ffi::OsString::from("replay"))
+            .chain(flags.into_iter().map(Into::into));
+        ReplayFlags::try_parse_from(argv).map(|f| f.args)
+    }
 }
 
 fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
@@ -330,7 +351,12 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         .map(Slo::parse)
         .transpose()
         .map_err(|e| anyhow::anyhow!("--slo: {e}"))?;
-    let target = a.target.trim_end_matches('/').to_owned();
+    let targets: Vec<String> = a
+        .target
+        .iter()
+        .map(|t| t.trim_end_matches('/').to_owned())
+        .collect();
+    let target = targets[0].clone();
     let client = reqwest::Client::new();
     let models = get_json(&client, &format!("{target}/v1/models")).await;
     let version = get_json(&client, &format!("{target}/version")).await;
@@ -339,11 +365,14 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
             .as_str()
             .map(str::to_owned)
     });
-    let metrics_before = metrics_text(&client, &target).await;
+    let mut metrics_before = Vec::new();
+    for t in &targets {
+        metrics_before.push(metrics_text(&client, t).await);
+    }
 
     let run_id = format!("hr{:08x}", rand::random::<u32>());
     let opts = ReplayOptions {
-        target: target.clone(),
+        targets: targets.clone(),
         endpoint: a.endpoint,
         model: model.clone(),
         arrivals: arrivals.clone(),
@@ -374,6 +403,7 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         "slo": slo,
         "target": {
             "url": target,
+            "urls": targets,
             "models": models.as_ref().and_then(|m| m["data"].as_array()).map(|d| d.iter().map(|c| json!({
                 "id": c["id"], "root": c["root"], "max_model_len": c["max_model_len"]})).collect::<Vec<_>>()),
             "version": version.as_ref().and_then(|v| v["version"].as_str()),
@@ -391,8 +421,9 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
 
     let total = records.len();
     eprintln!(
-        "headroom replay: {total} requests from {} against {target} ({})",
+        "headroom replay: {total} requests from {} against {} ({})",
         a.trace.display(),
+        targets.join(", "),
         contract["load"]
     );
     let counters = Arc::new(Counters::default());
@@ -404,27 +435,8 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     }
 
     let summary = report::summarize(&results, slo);
-    let mut target_info = json!({});
-    if let (Some(before), Some(after)) = (
-        metrics_before.as_deref(),
-        metrics_text(&client, &target).await,
-    ) {
-        if let (Some((q0, h0)), Some((q1, h1))) = (prefix_counters(before), prefix_counters(&after))
-        {
-            let queries = q1 - q0;
-            target_info["prefix_cache_hit_rate"] = json!(if queries > 0.0 {
-                (h1 - h0) / queries
-            } else {
-                0.0
-            });
-        }
-        if let Some(tokens) = kv_cache_tokens(&after) {
-            target_info["kv_cache_tokens"] = json!(tokens);
-            let used: Vec<TraceRecord> = records.iter().take(results.len()).cloned().collect();
-            target_info["offline_prefix_hit_rate"] =
-                json!(trace::offline_prefix_hit_rate(&used, tokens));
-        }
-    }
+    let target_info =
+        observe_targets(&client, &targets, &metrics_before, &records, results.len()).await;
     let rows: Vec<RequestRow> = results.iter().map(RequestRow::from).collect();
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let result_path = a.out.join("result.json");
@@ -617,6 +629,68 @@ async fn run_sweep(
     print!("{text}");
     eprintln!("headroom replay: sweep results in {}", a.out.display());
     Ok(path)
+}
+
+/// What the targets' own metrics say about the run: each target's prefix-cache hit rate over the
+/// run, the overall one, and the hit rate the trace's hash ids imply for the same cache sizes (each
+/// target seeing the rows sent to it).
+async fn observe_targets(
+    client: &reqwest::Client,
+    targets: &[String],
+    before: &[Option<String>],
+    records: &[TraceRecord],
+    sent: usize,
+) -> Value {
+    let (mut queries, mut hits, mut offline_hits) = (0.0, 0.0, 0.0);
+    let mut offline_known = true;
+    let mut per_target = Vec::new();
+    for (j, (t, b)) in targets.iter().zip(before).enumerate() {
+        let after = metrics_text(client, t).await;
+        let (Some(b), Some(after)) = (b.as_deref(), after) else {
+            offline_known = false;
+            continue;
+        };
+        let (Some((q0, h0)), Some((q1, h1))) = (prefix_counters(b), prefix_counters(&after)) else {
+            offline_known = false;
+            continue;
+        };
+        let (q, h) = (q1 - q0, h1 - h0);
+        queries += q;
+        hits += h;
+        let mut entry =
+            json!({"url": t, "prefix_cache_hit_rate": if q > 0.0 { h / q } else { 0.0 }});
+        match kv_cache_tokens(&after) {
+            Some(tokens) => {
+                let mine: Vec<TraceRecord> = records
+                    .iter()
+                    .take(sent)
+                    .enumerate()
+                    .filter(|(k, _)| k % targets.len() == j)
+                    .map(|(_, r)| r.clone())
+                    .collect();
+                let rate = trace::offline_prefix_hit_rate(&mine, tokens);
+                let tokens_in: f64 = mine.iter().map(|r| f64::from(r.input_length)).sum();
+                offline_hits += rate * tokens_in;
+                entry["kv_cache_tokens"] = json!(tokens);
+                entry["offline_prefix_hit_rate"] = json!(rate);
+            }
+            None => offline_known = false,
+        }
+        per_target.push(entry);
+    }
+    let mut out = json!({"targets": per_target});
+    if queries > 0.0 {
+        out["prefix_cache_hit_rate"] = json!(hits / queries);
+        let contracted: f64 = records
+            .iter()
+            .take(sent)
+            .map(|r| f64::from(r.input_length))
+            .sum();
+        if offline_known && contracted > 0.0 {
+            out["offline_prefix_hit_rate"] = json!(offline_hits / contracted);
+        }
+    }
+    out
 }
 
 /// Token-length statistics for a contract.

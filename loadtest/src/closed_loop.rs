@@ -9,7 +9,7 @@ use serde_json::Value;
 use tokio::time::Instant;
 
 use crate::client::{Timing, send_streaming};
-use crate::open_loop::Progress;
+use crate::replay::Counters as Progress;
 
 /// Runs `concurrency` clients for `duration`; client `i` sends `make_body(i, n)` for its `n`-th
 /// request to `urls[i % urls.len()]`. Returns every finished request's timing.

@@ -6,7 +6,6 @@ pub mod client;
 pub mod closed_loop;
 pub mod contracts;
 pub mod html;
-pub mod open_loop;
 pub mod pages;
 pub mod replay;
 pub mod report;

@@ -47,8 +47,9 @@ pub enum Arrivals {
 /// What to replay and how.
 #[derive(Debug, Clone)]
 pub struct ReplayOptions {
-    /// Base URL of the target.
-    pub target: String,
+    /// Base URLs of the targets; request k goes to `targets[k % len]` (several replicas without a
+    /// proxy in front are visited round-robin).
+    pub targets: Vec<String>,
     /// Endpoint the prompts are rendered for.
     pub endpoint: Endpoint,
     /// `model` sent with each request (None: omitted).
@@ -163,7 +164,7 @@ const SPIN_BEFORE: Duration = Duration::from_millis(3);
 
 struct Shared {
     client: reqwest::Client,
-    url: String,
+    urls: Vec<String>,
     records: Vec<TraceRecord>,
     opts: ReplayOptions,
     counters: Arc<Counters>,
@@ -200,17 +201,13 @@ async fn send_one(
         }
     }
     let record = &shared.records[index];
+    let url = &shared.urls[index % shared.urls.len()];
     let request_id = format!("{}-{index}", shared.opts.run_id);
     let sent = shared.start.elapsed();
     shared.counters.sent.fetch_add(1, Ordering::Relaxed);
     let timing = match tokio::time::timeout(
         shared.opts.timeout,
-        send_streaming_with(
-            &shared.client,
-            &shared.url,
-            body,
-            &[("x-request-id", &request_id)],
-        ),
+        send_streaming_with(&shared.client, url, body, &[("x-request-id", &request_id)]),
     )
     .await
     {
@@ -221,7 +218,7 @@ async fn send_one(
                 shared.opts.timeout
             ))),
             e2e: shared.opts.timeout,
-            target: shared.url.clone(),
+            target: url.clone(),
             ..Timing::default()
         },
     };
@@ -255,11 +252,11 @@ pub async fn run(
         .pool_max_idle_per_host(concurrency)
         .build()
         .unwrap_or_default();
-    let url = format!(
-        "{}{}",
-        opts.target.trim_end_matches('/'),
-        opts.endpoint.path()
-    );
+    let urls: Vec<String> = opts
+        .targets
+        .iter()
+        .map(|t| format!("{}{}", t.trim_end_matches('/'), opts.endpoint.path()))
+        .collect();
     let plan = schedule(&records, &opts.arrivals, opts.seed);
     // Open-loop schedules start a moment after now, so the body builder is ahead from the first send.
     let lead = if plan.is_some() {
@@ -269,7 +266,7 @@ pub async fn run(
     };
     let shared = Arc::new(Shared {
         client,
-        url,
+        urls,
         records,
         opts,
         counters,
@@ -460,7 +457,7 @@ mod tests {
             ..TraceRecord::default()
         };
         let opts = ReplayOptions {
-            target: "http://x".into(),
+            targets: vec!["http://x".into()],
             endpoint: Endpoint::Chat,
             model: Some("m".into()),
             arrivals: Arrivals::Concurrency(1),

@@ -316,6 +316,9 @@ pub struct RequestRow {
     pub scheduled_ms: Option<f64>,
     /// Actual send, ms from start.
     pub sent_ms: f64,
+    /// URL it was sent to.
+    #[serde(default)]
+    pub target: String,
     /// HTTP status.
     pub status: u16,
     /// Failure, if any.
@@ -350,6 +353,7 @@ impl From<&RequestResult> for RequestRow {
             warmup: r.warmup,
             scheduled_ms: r.scheduled.map(ms),
             sent_ms: ms(r.sent),
+            target: t.target.clone(),
             status: t.status,
             error: t.failure.as_ref().map(|f| f.to_string()),
             error_kind: t.failure.as_ref().map(Failure::kind),
@@ -393,7 +397,7 @@ pub fn results_from_rows(rows: &[RequestRow]) -> Vec<RequestResult> {
                 e2e: d(r.e2el_ms),
                 prompt_tokens: r.prompt_tokens,
                 completion_tokens: r.completion_tokens,
-                target: String::new(),
+                target: r.target.clone(),
             },
         })
         .collect()
