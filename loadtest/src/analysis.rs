@@ -361,7 +361,7 @@ pub fn tail_page(t: &TailReport, source: &str) -> String {
 }
 
 /// Keys of a contract that may differ between two runs without making them incomparable.
-const INCIDENTAL: &[&str] = &["run_id", "tool"];
+const INCIDENTAL: &[&str] = &["run_id", "tool", "prompt_salt"];
 
 fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
     match v {

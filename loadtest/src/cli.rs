@@ -105,7 +105,11 @@ pub fn read_trace(path: &Path, format: Option<SourceFormat>) -> anyhow::Result<V
         None => SourceFormat::Mooncake,
     };
     let records = match format {
-        SourceFormat::Mooncake => trace::read_jsonl(open()?),
+        SourceFormat::Mooncake => trace::read_jsonl(open()?).map(|mut r| {
+            // Rows without hash ids share nothing (their filler text must not collide).
+            trace::fill_unique_hash_ids(&mut r);
+            r
+        }),
         SourceFormat::Azure => trace::import_azure(open()?),
         SourceFormat::Burstgpt => trace::import_burstgpt(open()?),
     }
@@ -185,7 +189,7 @@ pub struct ReplayArgs {
     /// Stop sending after this many seconds.
     #[arg(long)]
     pub duration: Option<f64>,
-    /// Use only the first N requests of the trace (after sharding).
+    /// Use only the first N requests of the trace (before sharding).
     #[arg(long)]
     pub max_requests: Option<usize>,
     /// Leading requests whose numbers are discarded.
@@ -200,6 +204,11 @@ pub struct ReplayArgs {
     /// Seed of arrivals and prompt text.
     #[arg(long, default_value_t = 0)]
     pub seed: u64,
+    /// Salt mixed into prompt text (default: fresh per run, so no run profits from a cache an
+    /// earlier run warmed; give the contract's value to repeat a run exactly). Shards of one run
+    /// derive it from --seed unless it is given.
+    #[arg(long)]
+    pub prompt_salt: Option<u64>,
     /// Per-request timeout, seconds.
     #[arg(long, default_value_t = 600.0)]
     pub timeout: f64,
@@ -318,33 +327,50 @@ async fn metrics_text(client: &reqwest::Client, base: &str) -> Option<String> {
 pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     let mut records = read_trace(&a.trace, None)?;
     let digest = hex(&sha2::Sha256::digest(std::fs::read(&a.trace)?));
-    let shard = a.shard.as_deref().map(parse_shard).transpose()?;
-    if let Some((i, n)) = shard {
-        records = records
-            .into_iter()
-            .enumerate()
-            .filter(|(k, _)| k % n == i)
-            .map(|(_, r)| r)
-            .collect();
-    }
     if let Some(n) = a.max_requests {
         records.truncate(n);
     }
-    if records.is_empty() {
-        bail!("no requests left to replay after --shard/--max-requests");
+    let shard = a.shard.as_deref().map(parse_shard).transpose()?;
+    for (name, v) in [
+        ("--timeout", Some(a.timeout)),
+        ("--duration", a.duration),
+        ("--sweep-duration", Some(a.sweep_duration)),
+    ] {
+        if let Some(v) = v {
+            if !(v.is_finite() && v > 0.0) {
+                bail!("{name} must be a positive number of seconds, got {v}");
+            }
+        }
     }
     let arrivals = match (a.concurrency, a.rate, a.time_scale) {
         (Some(0), _, _) => bail!("--concurrency must be at least 1"),
         (Some(n), _, _) => Arrivals::Concurrency(n),
-        (None, Some(r), _) if r > 0.0 && a.burstiness > 0.0 => Arrivals::Rate {
-            rate: r,
-            burstiness: a.burstiness,
-        },
+        (None, Some(r), _)
+            if r.is_finite() && r > 0.0 && a.burstiness.is_finite() && a.burstiness > 0.0 =>
+        {
+            Arrivals::Rate {
+                rate: r,
+                burstiness: a.burstiness,
+            }
+        }
         (None, Some(_), _) => bail!("--rate and --burstiness must be positive"),
-        (None, None, Some(s)) if s > 0.0 => Arrivals::Trace { time_scale: s },
+        (None, None, Some(s)) if s.is_finite() && s > 0.0 => Arrivals::Trace { time_scale: s },
         (None, None, Some(_)) => bail!("--time-scale must be positive"),
         (None, None, None) => Arrivals::Trace { time_scale: 1.0 },
     };
+    // A shard keeps its rows of the whole trace with the times the whole run would give them, so
+    // n load generators together send exactly the contracted load.
+    let global_plan = replay::schedule(&records, &arrivals, a.seed);
+    let rows: Vec<usize> = match shard {
+        Some((i, n)) => (0..records.len()).filter(|k| k % n == i).collect(),
+        None => (0..records.len()).collect(),
+    };
+    let trace_rows = records.len();
+    let plan = global_plan.map(|p| rows.iter().map(|&k| p[k]).collect::<Vec<_>>());
+    let records: Vec<TraceRecord> = rows.iter().map(|&k| records[k].clone()).collect();
+    if records.is_empty() {
+        bail!("no requests left to replay after --shard/--max-requests");
+    }
     let slo = a
         .slo
         .as_deref()
@@ -371,6 +397,15 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     }
 
     let run_id = format!("hr{:08x}", rand::random::<u32>());
+    // Shards of one run must render the same prompts, so without an explicit salt they derive it
+    // from the seed; a single run draws a fresh one.
+    let prompt_salt = a.prompt_salt.unwrap_or_else(|| {
+        if shard.is_some() {
+            a.seed.wrapping_mul(0x9E37_79B9_7F4A_7C15) ^ 0x5A17
+        } else {
+            rand::random::<u64>()
+        }
+    });
     let opts = ReplayOptions {
         targets: targets.clone(),
         endpoint: a.endpoint,
@@ -379,13 +414,16 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         duration: a.duration.map(Duration::from_secs_f64),
         warmup: a.warmup,
         seed: a.seed,
+        prompt_salt,
+        plan,
+        rows: Some(rows.clone()),
         timeout: Duration::from_secs_f64(a.timeout),
         run_id: run_id.clone(),
     };
     let lengths = |f: fn(&TraceRecord) -> u32| length_stats(records.iter().map(f));
     let contract = json!({
         "trace": {"path": a.trace.display().to_string(), "sha256": digest, "requests": records.len(),
-                  "shard": a.shard, "max_requests": a.max_requests},
+                  "rows_in_trace": trace_rows, "shard": a.shard, "max_requests": a.max_requests},
         "load": match &arrivals {
             Arrivals::Trace { time_scale } => json!({"mode": "trace timestamps", "time_scale": time_scale}),
             Arrivals::Rate { rate, burstiness } => json!({"mode": "rate", "rate": rate, "burstiness": burstiness,
@@ -400,6 +438,7 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         "endpoint": a.endpoint.path(), "stream": true,
         "prompt_synthesis": "hash id -> seeded block of one-token words; template tokens counted (docs/replay.md)",
         "seed": a.seed,
+        "prompt_salt": prompt_salt,
         "slo": slo,
         "target": {
             "url": target,
@@ -435,8 +474,15 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     }
 
     let summary = report::summarize(&results, slo);
-    let target_info =
-        observe_targets(&client, &targets, &metrics_before, &records, results.len()).await;
+    let target_info = observe_targets(
+        &client,
+        &targets,
+        &metrics_before,
+        &records,
+        &rows,
+        results.len(),
+    )
+    .await;
     let rows: Vec<RequestRow> = results.iter().map(RequestRow::from).collect();
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let result_path = a.out.join("result.json");
@@ -457,10 +503,25 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
             ));
         }
         text.push('\n');
+        if let (Some(o), Some(h)) = (target_info["offline_prefix_hit_rate"].as_f64(), h.as_f64()) {
+            if h > o + 0.02 {
+                text.push_str(&format!(
+                    "WARNING: the target's hit rate is {:.1} points above what the trace implies: it held prefixes from before this run (a warm cache), or the prompts share more than their hash ids say\n",
+                    100.0 * (h - o)
+                ));
+            }
+        }
     }
     std::fs::write(a.out.join("summary.txt"), &text)?;
     print!("{text}");
     eprintln!("headroom replay: results in {}", a.out.display());
+    if summary.measured > 0 && summary.completed == 0 {
+        bail!(
+            "no request completed ({} failed): see {}",
+            summary.failed,
+            a.out.join("summary.txt").display()
+        );
+    }
     Ok(result_path)
 }
 
@@ -516,15 +577,14 @@ pub fn sweep_verdict(points: &[(f64, Summary)], slo: Option<Slo>) -> (Option<f64
         })
         .map(|w| w[0].0);
     let safe = slo.and_then(|slo| {
+        // Failed requests missed the SLO too: a level that sheds or times out more than 1% of its
+        // requests is not safe however fast the survivors were.
         let within = |s: &Summary| {
-            if let Some(b) = slo.ttft_ms {
-                s.completed > 0 && s.ttft.p99_ms <= b
-            } else if let Some(b) = slo.tpot_ms {
-                s.completed > 0 && s.tpot.p99_ms <= b
-            } else {
-                slo.e2el_ms
-                    .is_some_and(|b| s.completed > 0 && s.e2el.p99_ms <= b)
-            }
+            s.completed > 0
+                && s.failed * 100 <= s.measured
+                && slo.ttft_ms.is_none_or(|b| s.ttft.p99_ms <= b)
+                && slo.tpot_ms.is_none_or(|b| s.tpot.p99_ms <= b)
+                && slo.e2el_ms.is_none_or(|b| s.e2el.p99_ms <= b)
         };
         points
             .iter()
@@ -558,7 +618,8 @@ async fn run_sweep(
         let opts = ReplayOptions {
             arrivals,
             duration: Some(Duration::from_secs_f64(a.sweep_duration)),
-            seed: base.seed.wrapping_add(1_000_003 * (i as u64 + 1)),
+            prompt_salt: base.prompt_salt.wrapping_add(1_000_003 * (i as u64 + 1)),
+            plan: None,
             run_id: format!("{}-l{i}", base.run_id),
             ..base.clone()
         };
@@ -639,6 +700,7 @@ async fn observe_targets(
     targets: &[String],
     before: &[Option<String>],
     records: &[TraceRecord],
+    rows: &[usize],
     sent: usize,
 ) -> Value {
     let (mut queries, mut hits, mut offline_hits) = (0.0, 0.0, 0.0);
@@ -665,7 +727,7 @@ async fn observe_targets(
                     .iter()
                     .take(sent)
                     .enumerate()
-                    .filter(|(k, _)| k % targets.len() == j)
+                    .filter(|(k, _)| rows[*k] % targets.len() == j)
                     .map(|(_, r)| r.clone())
                     .collect();
                 let rate = trace::offline_prefix_hit_rate(&mine, tokens);
@@ -871,6 +933,14 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                     .collect::<Vec<_>>()
             );
             contract["trace"]["requests"] = json!(rows.len());
+            if contract["load"]["mode"] == "concurrency" {
+                // Each load generator kept its own concurrency: together they kept the sum.
+                let total: u64 = docs
+                    .iter()
+                    .filter_map(|d| d["contract"]["load"]["concurrency"].as_u64())
+                    .sum();
+                contract["load"]["concurrency"] = json!(total);
+            }
             contract["trace"]["shard"] = Value::Null;
             contract["input_tokens"] = length_stats(rows.iter().map(|r| r.input_length));
             contract["output_tokens"] = length_stats(rows.iter().map(|r| r.output_length));
@@ -934,6 +1004,17 @@ mod tests {
         assert_eq!(knee, Some(4.0), "4 → 8 adds only 5.6%");
         assert_eq!(safe, Some(8.0), "32 is within the SLO again, but 16 is not");
         assert_eq!(sweep_verdict(&points, None).1, None);
+
+        // Shedding is not safety: a level whose survivors are fast but 5% of requests failed is out,
+        // and every metric the SLO names is checked.
+        let mut shedding = points.clone();
+        shedding[2].1.measured = 100;
+        shedding[2].1.failed = 5;
+        assert_eq!(sweep_verdict(&shedding, Some(slo)).1, Some(2.0));
+        let mut slow_decode = points.clone();
+        slow_decode[1].1.tpot.p99_ms = 80.0;
+        let both = Slo::parse("ttft=400,tpot=50").unwrap();
+        assert_eq!(sweep_verdict(&slow_decode, Some(both)).1, Some(1.0));
     }
 
     #[test]

@@ -27,6 +27,8 @@ pub enum Failure {
     ErrorEvent(String),
     /// The stream ended (or broke) without `[DONE]`.
     Cut(String),
+    /// No complete answer within the request timeout.
+    Timeout(String),
 }
 
 impl Failure {
@@ -37,6 +39,7 @@ impl Failure {
             Self::Status(s, _) => format!("status_{s}"),
             Self::ErrorEvent(_) => "error_event".into(),
             Self::Cut(_) => "cut".into(),
+            Self::Timeout(_) => "timeout".into(),
         }
     }
 }
@@ -48,6 +51,7 @@ impl std::fmt::Display for Failure {
             Self::Status(s, body) => write!(f, "status {s}: {body}"),
             Self::ErrorEvent(e) => write!(f, "error event: {e}"),
             Self::Cut(e) => write!(f, "stream cut: {e}"),
+            Self::Timeout(e) => write!(f, "timeout: {e}"),
         }
     }
 }

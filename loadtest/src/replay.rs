@@ -62,6 +62,14 @@ pub struct ReplayOptions {
     pub warmup: usize,
     /// Seed of the arrival process and of the prompt text.
     pub seed: u64,
+    /// Mixed into every prompt's text: a fresh salt per run keeps a run from hitting the cache an
+    /// earlier run warmed (the contract records it, so a run can be repeated exactly).
+    pub prompt_salt: u64,
+    /// Send times, one per record, when the caller planned them (a shard of a larger plan); None:
+    /// planned here from `arrivals`.
+    pub plan: Option<Vec<Duration>>,
+    /// Row of the whole trace each record is (a shard's rows); None: record i is row i.
+    pub rows: Option<Vec<usize>>,
     /// Give up on a request after this long.
     pub timeout: Duration,
     /// Prefix of every `x-request-id`.
@@ -71,7 +79,7 @@ pub struct ReplayOptions {
 /// One request's outcome with its place in the plan.
 #[derive(Debug, Clone)]
 pub struct RequestResult {
-    /// Row of the trace (after sharding and limits).
+    /// Row of the whole trace.
     pub index: usize,
     /// The `x-request-id` sent.
     pub request_id: String,
@@ -102,7 +110,7 @@ pub struct Counters {
 
 /// The request body for a record.
 pub fn body_for(record: &TraceRecord, opts: &ReplayOptions) -> Value {
-    let text = prompt_for(record, opts.endpoint, opts.seed);
+    let text = prompt_for(record, opts.endpoint, opts.seed ^ opts.prompt_salt);
     let max_tokens = record.output_length.max(1);
     let mut body = match opts.endpoint {
         Endpoint::Chat => {
@@ -201,8 +209,9 @@ async fn send_one(
         }
     }
     let record = &shared.records[index];
-    let url = &shared.urls[index % shared.urls.len()];
-    let request_id = format!("{}-{index}", shared.opts.run_id);
+    let row = shared.opts.rows.as_ref().map_or(index, |rows| rows[index]);
+    let url = &shared.urls[row % shared.urls.len()];
+    let request_id = format!("{}-{row}", shared.opts.run_id);
     let sent = shared.start.elapsed();
     shared.counters.sent.fetch_add(1, Ordering::Relaxed);
     let timing = match tokio::time::timeout(
@@ -213,7 +222,7 @@ async fn send_one(
     {
         Ok(t) => t,
         Err(_) => Timing {
-            failure: Some(Failure::Transport(format!(
+            failure: Some(Failure::Timeout(format!(
                 "no answer within {:?}",
                 shared.opts.timeout
             ))),
@@ -227,11 +236,11 @@ async fn send_one(
     }
     shared.counters.done.fetch_add(1, Ordering::Relaxed);
     RequestResult {
-        index,
+        index: row,
         request_id,
         scheduled,
         sent,
-        warmup: index < shared.opts.warmup,
+        warmup: row < shared.opts.warmup,
         input_length: record.input_length,
         output_length: record.output_length,
         timing,
@@ -257,7 +266,11 @@ pub async fn run(
         .iter()
         .map(|t| format!("{}{}", t.trim_end_matches('/'), opts.endpoint.path()))
         .collect();
-    let plan = schedule(&records, &opts.arrivals, opts.seed);
+    let plan = match (&opts.arrivals, &opts.plan) {
+        (Arrivals::Concurrency(_), _) => None,
+        (_, Some(p)) => Some(p.clone()),
+        (arrivals, None) => schedule(&records, arrivals, opts.seed),
+    };
     // Open-loop schedules start a moment after now, so the body builder is ahead from the first send.
     let lead = if plan.is_some() {
         Duration::from_millis(200)
@@ -464,6 +477,9 @@ mod tests {
             duration: None,
             warmup: 0,
             seed: 0,
+            prompt_salt: 0,
+            plan: None,
+            rows: None,
             timeout: Duration::from_secs(1),
             run_id: "r".into(),
         };

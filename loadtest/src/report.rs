@@ -390,6 +390,7 @@ pub fn results_from_rows(rows: &[RequestRow]) -> Vec<RequestResult> {
                     }
                     Some("error_event") => Failure::ErrorEvent(e.clone()),
                     Some("cut") => Failure::Cut(e.clone()),
+                    Some("timeout") => Failure::Timeout(e.clone()),
                     _ => Failure::Transport(e.clone()),
                 }),
                 ttft: r.ttft_ms.map(d),

@@ -182,10 +182,55 @@ async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
         merged.to_str().unwrap(),
     ]))
     .unwrap();
+    let merged_doc = read(&merged.join("result.json"));
+    assert_eq!(merged_doc["summary"]["completed"], 20);
     assert_eq!(
-        read(&merged.join("result.json"))["summary"]["completed"],
-        20
+        merged_doc["contract"]["load"]["concurrency"], 8,
+        "two shards of 4"
     );
+    let mut rows: Vec<u64> = merged_doc["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| r["index"].as_u64().unwrap())
+        .collect();
+    rows.sort_unstable();
+    assert_eq!(
+        rows,
+        (0..20).collect::<Vec<u64>>(),
+        "every trace row exactly once"
+    );
+
+    // Open-loop shards keep the times the whole run would give their rows: not in lockstep.
+    let mut times = Vec::new();
+    for i in 0..2 {
+        let out = dir.join(format!("rate{i}"));
+        let shard = format!("{i}/2");
+        run_replay(replay_args(&[
+            "--trace",
+            trace.to_str().unwrap(),
+            "--target",
+            &r.url(),
+            "--rate",
+            "100",
+            "--shard",
+            &shard,
+            "--out",
+            out.to_str().unwrap(),
+        ]))
+        .await
+        .unwrap();
+        let doc = read(&out.join("result.json"));
+        let t: Vec<f64> = doc["requests"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| r["scheduled_ms"].as_f64().unwrap())
+            .collect();
+        times.push(t);
+    }
+    assert!(times[0].iter().all(|t| !times[1].contains(t)), "{times:?}");
+    assert_eq!(times[0].len() + times[1].len(), 20);
 
     let sweep = dir.join("sweep");
     run_replay(replay_args(&[

@@ -280,7 +280,7 @@ fn read_csv(
 /// has no prefix information: every request gets its own hash ids.
 pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
     let mut out = Vec::new();
-    let mut first = None;
+    let mut arrivals = Vec::new();
     read_csv(
         reader,
         &["TIMESTAMP", "ContextTokens", "GeneratedTokens"],
@@ -293,9 +293,8 @@ pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError
             let input: u32 = r.parse(c[1], "ContextTokens")?;
             let output: u32 = r.parse(c[2], "GeneratedTokens")?;
             if input > 0 {
-                let start = *first.get_or_insert(at);
+                arrivals.push(at);
                 out.push(TraceRecord {
-                    timestamp: (at - start).max(0.0).round() as u64,
                     input_length: input,
                     output_length: output,
                     ..TraceRecord::default()
@@ -304,7 +303,7 @@ pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError
             Ok(())
         },
     )?;
-    sort_and_fill(&mut out);
+    finish_import(&mut out, &arrivals);
     Ok(out)
 }
 
@@ -312,16 +311,15 @@ pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError
 /// `Response tokens`, …). No prefix information: fresh hash ids per request; the session id is kept.
 pub fn import_burstgpt(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
     let mut out = Vec::new();
-    let mut first = None;
+    let mut arrivals = Vec::new();
     let required = ["Timestamp", "Model", "Request tokens", "Response tokens"];
     read_csv(reader, &required, &["Session ID"], |r, c, opt| {
         let at: f64 = r.parse(c[0], "Timestamp")?;
         let input: u32 = r.parse(c[2], "Request tokens")?;
         let output: u32 = r.parse(c[3], "Response tokens")?;
         if input > 0 {
-            let start = *first.get_or_insert(at);
+            arrivals.push(at * 1e3);
             out.push(TraceRecord {
-                timestamp: ((at - start) * 1e3).max(0.0).round() as u64,
                 input_length: input,
                 output_length: output,
                 model: Some(r.get(c[1]).to_owned()).filter(|m| !m.is_empty()),
@@ -333,7 +331,7 @@ pub fn import_burstgpt(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceEr
         }
         Ok(())
     })?;
-    sort_and_fill(&mut out);
+    finish_import(&mut out, &arrivals);
     Ok(out)
 }
 
@@ -387,7 +385,13 @@ pub fn offline_prefix_hit_rate(records: &[TraceRecord], cache_tokens: u64) -> f6
     }
 }
 
-fn sort_and_fill(records: &mut [TraceRecord]) {
+/// Sets each record's timestamp from its absolute arrival (ms, fractional), with time zero at the
+/// earliest row wherever it stood in the file, then sorts and gives out hash ids.
+fn finish_import(records: &mut [TraceRecord], arrivals_ms: &[f64]) {
+    let t0 = arrivals_ms.iter().copied().fold(f64::INFINITY, f64::min);
+    for (r, at) in records.iter_mut().zip(arrivals_ms) {
+        r.timestamp = (at - t0).max(0.0).round() as u64;
+    }
     records.sort_by_key(|r| r.timestamp);
     fill_unique_hash_ids(records);
 }
@@ -472,6 +476,13 @@ mod tests {
         // Room for one block: the second request's block 1 survives (block 2 goes first).
         let one = offline_prefix_hit_rate(&trace, 512);
         assert!((one - (512.0 + 512.0) / 3072.0).abs() < 1e-9, "{one}");
+    }
+
+    #[test]
+    fn csv_time_zero_is_the_earliest_row() {
+        let csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.0,10,1\n2023-11-16 18:15:46.0,10,1\n";
+        let recs = import_azure(csv.as_bytes()).unwrap();
+        assert_eq!((recs[0].timestamp, recs[1].timestamp), (0, 4000));
     }
 
     #[test]

@@ -297,16 +297,34 @@ mod tests {
     fn consistent_hash_agrees_across_proxies_and_bounds_load() {
         let f = fleet(4);
         let keys: Vec<[u64; 1]> = (0..400u64).map(|k| [k * 7919]).collect();
-        // Two proxies with the same snapshot pick the same replicas.
+        // Two proxies that list the fleet in different orders still pick the same replicas.
         let a: Vec<usize> = keys
             .iter()
             .map(|k| ConsistentHash.select(&req(k, 10), &f).unwrap().backend)
             .collect();
+        let reversed: Vec<BackendView> = f.iter().rev().cloned().collect();
         let b: Vec<usize> = keys
             .iter()
-            .map(|k| ConsistentHash.select(&req(k, 10), &f).unwrap().backend)
+            .map(|k| {
+                ConsistentHash
+                    .select(&req(k, 10), &reversed)
+                    .unwrap()
+                    .backend
+            })
             .collect();
         assert_eq!(a, b);
+        // A replica leaving moves only its own keys.
+        let mut without = f.clone();
+        without[1].healthy = false;
+        for (k, &before) in keys.iter().zip(&a) {
+            let now = ConsistentHash
+                .select(&req(k, 10), &without)
+                .unwrap()
+                .backend;
+            if before != 1 {
+                assert_eq!(now, before);
+            }
+        }
         // Feeding picks back as load never lets a replica exceed the bound.
         let mut f = fleet(4);
         for k in &keys[..100] {

@@ -19,7 +19,9 @@ use super::BackendId;
 
 #[derive(Debug, Default)]
 struct ReplicaLru {
-    capacity: usize,
+    /// Blocks it may hold; None until the replica's KV capacity is known (then nothing is evicted,
+    /// rather than nothing learned).
+    capacity: Option<usize>,
     /// tick → block, oldest first.
     order: BTreeMap<u64, BlockHash>,
 }
@@ -41,7 +43,7 @@ impl PrefixIndex {
 
     /// Sets (or changes) how many blocks a replica can hold; shrinking evicts at once.
     pub fn set_capacity(&mut self, replica: BackendId, blocks: usize) {
-        self.replicas.entry(replica).or_default().capacity = blocks;
+        self.replicas.entry(replica).or_default().capacity = Some(blocks);
         self.evict(replica);
     }
 
@@ -69,7 +71,7 @@ impl PrefixIndex {
     /// Records that `replica` now holds `blocks` (it was sent this prompt).
     pub fn record(&mut self, replica: BackendId, blocks: &[BlockHash]) {
         let lru = self.replicas.entry(replica).or_default();
-        if lru.capacity == 0 {
+        if lru.capacity == Some(0) {
             return;
         }
         // The first block is touched last, so the prompt's tail is evicted before its head.
@@ -113,7 +115,7 @@ impl PrefixIndex {
             return;
         };
         let mut evicted = Vec::new();
-        while lru.order.len() > lru.capacity {
+        while lru.capacity.is_some_and(|c| lru.order.len() > c) {
             if let Some((_, h)) = lru.order.pop_first() {
                 evicted.push(h);
             }
@@ -177,6 +179,13 @@ mod tests {
             1,
             "the most recent head survives"
         );
+    }
+
+    #[test]
+    fn an_unknown_capacity_learns_without_evicting() {
+        let mut ix = PrefixIndex::new();
+        ix.record(4, &[1, 2, 3]);
+        assert_eq!(ix.overlaps(&[1, 2, 3]), vec![(4, 3)]);
     }
 
     #[test]
