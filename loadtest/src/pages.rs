@@ -139,10 +139,18 @@ pub fn replay_page(doc: &Value) -> anyhow::Result<String> {
             charts: vec![],
         },
     ];
+    let targets: Vec<&str> = match contract["target"]["urls"].as_array() {
+        Some(urls) => urls.iter().filter_map(Value::as_str).collect(),
+        None => contract["target"]["url"].as_str().into_iter().collect(),
+    };
     let subtitle = format!(
         "{} against {}",
         contract["trace"]["path"].as_str().unwrap_or("?"),
-        contract["target"]["url"].as_str().unwrap_or("?")
+        if targets.is_empty() {
+            "?".to_owned()
+        } else {
+            targets.join(", ")
+        }
     );
     Ok(html::page("headroom replay", &subtitle, &sections))
 }
