@@ -56,71 +56,12 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-256} # by the local tokenizer; the simulator coun
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-64}
 SIM_ARGS=(sim --host 127.0.0.1 --port 0 --served-model-name "$MODEL_NAME")
 
-log() { printf '==> %s\n' "$*" >&2; }
-die() { printf 'error: %s\n' "$*" >&2; exit 1; }
-
-[[ -x "$HEADROOM" ]] || die "$HEADROOM not found; build it with: cargo build --release"
-command -v curl >/dev/null || die "curl is required"
+source scripts/guidellm-common.sh
 command -v timeout >/dev/null || die "timeout (coreutils) is required"
-
-# --- 1. venv and tokenizer (as scripts/guidellm-run.sh) ----------------------
-if [[ ! -x "$VENV/bin/python" ]]; then
-  log "creating venv $VENV"
-  mkdir -p "$(dirname "$VENV")"
-  "$PYTHON" -m venv "$VENV"
-fi
-installed="$("$VENV/bin/python" -c 'import importlib.metadata as m; print(m.version("guidellm"))' 2>/dev/null || true)"
-if [[ "$installed" != "$GUIDELLM_VERSION" ]]; then
-  log "installing guidellm==$GUIDELLM_VERSION into $VENV (from PyPI; pulls torch, several GB)"
-  timeout 1800 "$VENV/bin/python" -m pip install --disable-pip-version-check --quiet "guidellm==$GUIDELLM_VERSION"
-fi
-PY="$VENV/bin/python"
-
-export HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1
-export NO_PROXY=127.0.0.1,localhost no_proxy=127.0.0.1,localhost
-
-timeout 300 "$PY" scripts/make_tokenizer.py "$TOKENIZER_DIR" >&2
-
-# --- 2. one simulator ----------------------------------------------------------
+guidellm_setup
 mkdir -p "$OUT_DIR"
 rm -rf "$OUT_DIR/replay" "$OUT_DIR/guidellm.json" "$OUT_DIR/trace.jsonl" "$OUT_DIR/comparison.txt"
-SIM_STDOUT="$(mktemp)"
-SIM_PID=""
-cleanup() {
-  if [[ -n "$SIM_PID" ]] && kill -0 "$SIM_PID" 2>/dev/null; then
-    kill -TERM "$SIM_PID" 2>/dev/null || true
-    wait "$SIM_PID" 2>/dev/null || true
-  fi
-  rm -f "$SIM_STDOUT"
-}
-trap cleanup EXIT
-trap 'exit 130' INT
-trap 'exit 143' TERM
-
-log "starting $HEADROOM ${SIM_ARGS[*]}"
-"$HEADROOM" "${SIM_ARGS[@]}" >"$SIM_STDOUT" 2>"$OUT_DIR/sim.log" &
-SIM_PID=$!
-
-URL=""
-for _ in $(seq 100); do  # up to 10 s for the URL line
-  if [[ "$(wc -l <"$SIM_STDOUT")" -ge 1 ]]; then
-    URL="$(head -n 1 "$SIM_STDOUT")"
-    break
-  fi
-  kill -0 "$SIM_PID" 2>/dev/null || { cat "$OUT_DIR/sim.log" >&2; die "simulator exited early"; }
-  sleep 0.1
-done
-[[ "$URL" =~ ^http://127\.0\.0\.1:[0-9]+$ ]] || die "unexpected simulator URL: '$URL'"
-
-healthy=0
-for _ in $(seq 60); do  # up to ~30 s for /health 200
-  code="$(curl --noproxy '*' -s -o /dev/null -w '%{http_code}' --max-time 2 "$URL/health" || true)"
-  [[ "$code" == 200 ]] && { healthy=1; break; }
-  kill -0 "$SIM_PID" 2>/dev/null || { cat "$OUT_DIR/sim.log" >&2; die "simulator exited early"; }
-  sleep 0.5
-done
-[[ "$healthy" == 1 ]] || die "simulator at $URL never answered /health with 200"
-log "simulator healthy at $URL"
+start_sim
 
 # --- 3. guidellm ---------------------------------------------------------------
 log "guidellm: constant $RATE req/s, $REQUESTS requests, ${PROMPT_TOKENS}/${OUTPUT_TOKENS} tokens -> $ENDPOINT"
