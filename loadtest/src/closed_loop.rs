@@ -36,6 +36,8 @@ pub async fn run(
                     .sent
                     .fetch_add(1, std::sync::atomic::Ordering::Relaxed);
                 let body = make_body(i, n);
+                let started = Instant::now();
+                // In-flight requests may finish for up to one more run length after the deadline.
                 let t = match tokio::time::timeout_at(
                     deadline + duration,
                     send_streaming(&client, &url, &body),
@@ -44,7 +46,11 @@ pub async fn run(
                 {
                     Ok(t) => t,
                     Err(_) => Timing {
-                        failure: Some(crate::client::Failure::Transport("timed out".into())),
+                        failure: Some(crate::client::Failure::Timeout(format!(
+                            "unfinished {:?} after the run's end",
+                            duration
+                        ))),
+                        e2e: started.elapsed(),
                         target: url.clone(),
                         ..Timing::default()
                     },
