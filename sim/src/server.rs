@@ -461,14 +461,17 @@ async fn generate(
             &s.response_role,
             params.continuous_usage(),
         );
-        Ok(stream_response(
-            submission,
+        Ok(stream_response(StreamState {
+            sub: submission,
             writer,
             endpoint,
             faults,
             include_usage,
-            n,
-        ))
+            prompt_tokens: n,
+            sent: 0,
+            done: false,
+            cut_now: false,
+        }))
     } else {
         collect_response(&r, submission, endpoint, faults, &id, created, n).await
     }
@@ -486,25 +489,8 @@ struct StreamState {
     cut_now: bool,
 }
 
-fn stream_response(
-    sub: Submission,
-    writer: ChunkWriter,
-    endpoint: Endpoint,
-    faults: Faults,
-    include_usage: bool,
-    prompt_tokens: u32,
-) -> Response {
-    let state = StreamState {
-        sub,
-        writer,
-        endpoint,
-        faults,
-        include_usage,
-        prompt_tokens,
-        sent: 0,
-        done: false,
-        cut_now: false,
-    };
+/// The SSE response that relays `state.sub`'s tokens as chunks, applying the stream faults.
+fn stream_response(state: StreamState) -> Response {
     let stream = futures_util::stream::unfold(state, |mut st| async move {
         if st.done {
             return None;
