@@ -5,6 +5,7 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 mod demo;
+mod serve;
 
 /// headroom: a reverse proxy that keeps vLLM fleets below the knee, and the tools to prove it.
 #[derive(Debug, Parser)]
@@ -16,6 +17,8 @@ struct Cli {
 
 #[derive(Debug, Subcommand)]
 enum Command {
+    /// Run the proxy in front of vLLM (or simulated) replicas.
+    Serve(Box<serve::ServeArgs>),
     /// Run GPU-free simulated vLLM replicas (API, metrics, scheduler and timing of vLLM 0.33).
     Sim(Box<headroom_sim::SimArgs>),
     /// Start simulated replicas, drive a workload through them and print what users felt.
@@ -54,6 +57,7 @@ fn main() -> ExitCode {
     };
     let result = runtime.block_on(async {
         match cli.command {
+            Command::Serve(args) => serve::run(*args).await,
             Command::Sim(args) => run_sim(*args).await,
             Command::Demo(args) => demo::run(args).await,
             Command::Replay(args) => headroom_loadtest::cli::run_replay(*args).await.map(drop),

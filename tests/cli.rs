@@ -96,6 +96,21 @@ fn bad_input_gets_a_clear_error() {
             ],
             "must be positive",
         ),
+        (vec!["serve"], "needs --config FILE or --backends"),
+        (
+            vec![
+                "serve",
+                "--backends",
+                "https://a:1,http://b",
+                "--listen",
+                "x",
+            ],
+            "backends[0].url = https://a:1: TLS to replicas is not supported yet",
+        ),
+        (
+            vec!["serve", "--config", "/nonexistent/headroom.toml"],
+            "cannot read config /nonexistent/headroom.toml",
+        ),
     ] {
         let out = headroom(&args);
         assert!(!out.status.success(), "{args:?} should fail");

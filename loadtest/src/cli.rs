@@ -269,46 +269,11 @@ async fn get_json(client: &reqwest::Client, url: &str) -> Option<Value> {
         .ok()
 }
 
-/// Prefix-cache counters (queries, hits) summed over a Prometheus exposition, when present.
-pub fn prefix_counters(metrics: &str) -> Option<(f64, f64)> {
-    let sum = |names: &[&str]| -> Option<f64> {
-        let mut found = false;
-        let total = metrics
-            .lines()
-            .filter(|l| {
-                names
-                    .iter()
-                    .any(|n| l.starts_with(n) && l[n.len()..].starts_with(['{', ' ']))
-            })
-            .filter_map(|l| {
-                found = true;
-                l.rsplit(' ').next()?.parse::<f64>().ok()
-            })
-            .sum();
-        found.then_some(total)
-    };
-    Some((
-        sum(&[
-            "vllm:prefix_cache_queries_total",
-            "vllm:gpu_prefix_cache_queries_total",
-        ])?,
-        sum(&[
-            "vllm:prefix_cache_hits_total",
-            "vllm:gpu_prefix_cache_hits_total",
-        ])?,
-    ))
-}
+pub use headroom_workload::engine_metrics::prefix_counters;
 
 /// KV cache size in tokens from `vllm:cache_config_info`, when present.
 pub fn kv_cache_tokens(metrics: &str) -> Option<u64> {
-    let line = metrics
-        .lines()
-        .find(|l| l.starts_with("vllm:cache_config_info{"))?;
-    let label = |name: &str| -> Option<u64> {
-        let start = line.find(&format!("{name}=\""))? + name.len() + 2;
-        line[start..].split('"').next()?.parse().ok()
-    };
-    Some(label("num_gpu_blocks")?.saturating_sub(1) * label("block_size")?)
+    headroom_workload::engine_metrics::EngineGauges::parse(metrics).kv_capacity_tokens()
 }
 
 async fn metrics_text(client: &reqwest::Client, base: &str) -> Option<String> {

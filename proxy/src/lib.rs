@@ -1,6 +1,19 @@
 //! headroom-proxy: the data plane (classify → admit → route → forward → measure → record).
 //!
-//! Built so far: routing (`routing/`), pure and synchronous. The pingora data plane that calls it
-//! (`headroom serve`) arrives with the rest of the proxy issue.
+//! - `server`: `headroom serve` — listeners, accept loop, background loops, admin endpoints
+//! - `app`: the pingora application; every request is answered in `request_filter`
+//! - `forward`: one request's exchange with the replicas (retries, streaming relay, cancellation)
+//! - `routing/`: pure, synchronous policies and the prefix index
+//! - `upstreams/`: the fleet, in-flight guards, health probes, engine-metrics scraping
+//! - `telemetry/`: Prometheus metrics
+//! - `error`: proxy-made answers and their HTTP statuses, in one place
 
+pub mod app;
+pub mod error;
+pub mod forward;
 pub mod routing;
+pub mod server;
+pub mod telemetry;
+pub mod upstreams;
+
+pub use server::{ServeError, ServeHandle, build_policy, start};

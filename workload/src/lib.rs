@@ -2,6 +2,8 @@
 //! the proxy and the load tester; depends on neither pingora nor the other headroom crates.
 
 pub mod blocks;
+pub mod engine_metrics;
+pub mod inspect;
 pub mod openai;
 pub mod realtime;
 pub mod sse;

@@ -132,9 +132,62 @@ impl SseParser {
     }
 }
 
+/// Whether an OpenAI-compatible stream event carries output: a choice with generated text
+/// (`delta.content`, `delta.reasoning_content`, `text`), tool calls, or a finish reason. A chunk
+/// that only announces the assistant role, a usage-only chunk, an error and `[DONE]` do not.
+pub fn is_output_event(data: &str) -> bool {
+    if data == DONE {
+        return false;
+    }
+    let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
+        return false;
+    };
+    let nonempty =
+        |v: Option<&serde_json::Value>| v.and_then(|s| s.as_str()).is_some_and(|s| !s.is_empty());
+    v.get("choices")
+        .and_then(|c| c.as_array())
+        .is_some_and(|choices| {
+            choices.iter().any(|c| {
+                let delta = c.get("delta");
+                nonempty(c.get("text"))
+                    || nonempty(delta.and_then(|d| d.get("content")))
+                    || nonempty(delta.and_then(|d| d.get("reasoning_content")))
+                    || delta
+                        .and_then(|d| d.get("tool_calls"))
+                        .and_then(|t| t.as_array())
+                        .is_some_and(|t| !t.is_empty())
+                    || c.get("finish_reason").is_some_and(|f| !f.is_null())
+            })
+        })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn output_events_are_told_from_role_usage_and_done() {
+        let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
+        let text = r#"{"choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":null}]}"#;
+        let completion = r#"{"choices":[{"index":0,"text":" hi","finish_reason":null}]}"#;
+        let finish = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+        let tools = r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#;
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":3}}"#;
+        let error = r#"{"error":{"message":"x"}}"#;
+        for (data, want) in [
+            (role, false),
+            (text, true),
+            (completion, true),
+            (finish, true),
+            (tools, true),
+            (usage, false),
+            (error, false),
+            (DONE, false),
+            ("not json", false),
+        ] {
+            assert_eq!(is_output_event(data), want, "{data}");
+        }
+    }
 
     fn parse_all(chunks: &[&[u8]]) -> Vec<SseEvent> {
         let mut p = SseParser::new();

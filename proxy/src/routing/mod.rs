@@ -105,6 +105,10 @@ pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
 
     /// Told after dispatch where the request went, so history-based policies learn.
     fn record(&self, _req: &RouteRequest<'_>, _pick: &Pick) {}
+
+    /// Told how many prefix blocks a replica can hold (from its KV capacity), so history-based
+    /// policies forget what the replica must have evicted.
+    fn set_capacity(&self, _backend: BackendId, _blocks: usize) {}
 }
 
 /// The healthy replicas, or why there are none.

@@ -13,7 +13,8 @@ use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 use super::{
-    BackendView, NoBackend, Pick, PrefixIndex, RouteRequest, RoutingPolicy, healthy, rendezvous,
+    BackendId, BackendView, NoBackend, Pick, PrefixIndex, RouteRequest, RoutingPolicy, healthy,
+    rendezvous,
 };
 
 /// Ring points per replica.
@@ -198,6 +199,10 @@ impl RoutingPolicy for PrefixAffinity {
 
     fn record(&self, req: &RouteRequest<'_>, pick: &Pick) {
         self.with_index(|ix| ix.record(pick.backend, req.blocks));
+    }
+
+    fn set_capacity(&self, backend: BackendId, blocks: usize) {
+        self.with_index(|ix| ix.set_capacity(backend, blocks));
     }
 }
 

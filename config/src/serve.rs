@@ -1,0 +1,488 @@
+//! `headroom serve` configuration: listeners, backends, routing, health, timeouts and limits.
+//! Every field has a default except the backends; `config/examples/headroom.toml` shows them all.
+
+use serde::Deserialize;
+
+use crate::{FieldError, Validate, check, field_path};
+
+/// Routing policy names accepted in config and on the command line.
+pub const POLICIES: &[&str] = &[
+    "round_robin",
+    "least_load",
+    "session",
+    "consistent_hash",
+    "prefix_affinity",
+];
+
+/// The whole `headroom serve` config.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ServeConfig {
+    /// Address the proxy listens on.
+    #[serde(default = "default_listen")]
+    pub listen: String,
+    /// Address of the admin listener (`/metrics`, `/healthz`, `/readyz`); loopback by default.
+    #[serde(default = "default_admin_listen")]
+    pub admin_listen: String,
+    /// The replicas.
+    pub backends: Vec<BackendConfig>,
+    /// How a replica is picked.
+    #[serde(default)]
+    pub routing: RoutingConfig,
+    /// Active health checks and passive ejection.
+    #[serde(default)]
+    pub health: HealthConfig,
+    /// Engine metrics scraping.
+    #[serde(default)]
+    pub scrape: ScrapeConfig,
+    /// Timeouts.
+    #[serde(default)]
+    pub timeouts: TimeoutConfig,
+    /// Request limits and retries.
+    #[serde(default)]
+    pub limits: LimitConfig,
+}
+
+/// One replica.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct BackendConfig {
+    /// Base URL, `http://host:port` (no path).
+    pub url: String,
+    /// Name in metrics and logs; the URL's `host:port` when absent.
+    #[serde(default)]
+    pub name: Option<String>,
+}
+
+impl BackendConfig {
+    /// The backend's name: the configured one, else `host:port`.
+    pub fn display_name(&self) -> String {
+        self.name.clone().unwrap_or_else(|| {
+            self.url
+                .trim_start_matches("http://")
+                .trim_end_matches('/')
+                .to_owned()
+        })
+    }
+}
+
+/// Routing settings.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct RoutingConfig {
+    /// One of [`POLICIES`].
+    pub policy: String,
+    /// Tokens per prefix block (the engine's `--block-size`).
+    pub block_tokens: u32,
+    /// Prompt tokens hashed at most; longer prompts are routed on their start.
+    pub max_hashed_tokens: u32,
+    /// Seed mixed into every prefix hash chain.
+    pub hash_seed: u64,
+    /// Tokens of prefill one decoding sequence is worth in the `prefix_affinity` cost.
+    pub decode_weight: f64,
+    /// Prefix-index capacity per replica, in blocks; when absent it is read from the replica's
+    /// `vllm:cache_config_info` (and unbounded until then).
+    pub index_blocks: Option<u64>,
+    /// Header whose value is the session key of the `session` policy.
+    pub session_header: String,
+}
+
+impl Default for RoutingConfig {
+    fn default() -> Self {
+        Self {
+            policy: "prefix_affinity".into(),
+            block_tokens: 16,
+            max_hashed_tokens: 32_768,
+            hash_seed: 0,
+            decode_weight: 8.0,
+            index_blocks: None,
+            session_header: "x-session-id".into(),
+        }
+    }
+}
+
+/// Health checking and passive ejection.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct HealthConfig {
+    /// Path probed on each replica.
+    pub path: String,
+    /// Time between probes.
+    pub interval_ms: u64,
+    /// A probe slower than this fails.
+    pub timeout_ms: u64,
+    /// Consecutive failed probes that mark a replica unhealthy.
+    pub unhealthy_after: u32,
+    /// Consecutive passed probes that mark it healthy again.
+    pub healthy_after: u32,
+    /// Consecutive failed requests (connect errors, resets, 5xx; never 4xx) that eject a replica.
+    pub eject_after: u32,
+    /// How long an ejected replica gets no requests.
+    pub eject_ms: u64,
+    /// At most this fraction of the fleet is ejected at once.
+    pub max_ejected_fraction: f64,
+}
+
+impl Default for HealthConfig {
+    fn default() -> Self {
+        Self {
+            path: "/health".into(),
+            interval_ms: 2_000,
+            timeout_ms: 1_000,
+            unhealthy_after: 2,
+            healthy_after: 1,
+            eject_after: 3,
+            eject_ms: 10_000,
+            max_ejected_fraction: 0.5,
+        }
+    }
+}
+
+/// Scraping each replica's `/metrics`.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ScrapeConfig {
+    /// Time between scrapes; 0 turns scraping off.
+    pub interval_ms: u64,
+    /// A scrape slower than this is skipped.
+    pub timeout_ms: u64,
+}
+
+impl Default for ScrapeConfig {
+    fn default() -> Self {
+        Self {
+            interval_ms: 1_000,
+            timeout_ms: 1_000,
+        }
+    }
+}
+
+/// Timeouts that suit streaming: a long generation is fine, a silent one is not.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TimeoutConfig {
+    /// Connecting to a replica.
+    pub connect_ms: u64,
+    /// From sending the request to the response header (queueing and prefill happen here).
+    pub first_byte_ms: u64,
+    /// Longest silence between two response chunks.
+    pub idle_ms: u64,
+    /// Idle upstream connections are kept this long for reuse.
+    pub pool_idle_ms: u64,
+}
+
+impl Default for TimeoutConfig {
+    fn default() -> Self {
+        Self {
+            connect_ms: 2_000,
+            first_byte_ms: 300_000,
+            idle_ms: 60_000,
+            pool_idle_ms: 60_000,
+        }
+    }
+}
+
+/// Request limits and retries.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LimitConfig {
+    /// Largest request body accepted (413 above).
+    pub max_body_bytes: u64,
+    /// Other replicas tried when one fails before any response byte reached the client.
+    pub retries: u32,
+}
+
+impl Default for LimitConfig {
+    fn default() -> Self {
+        Self {
+            max_body_bytes: 32 << 20,
+            retries: 2,
+        }
+    }
+}
+
+fn default_listen() -> String {
+    "0.0.0.0:8080".into()
+}
+
+fn default_admin_listen() -> String {
+    "127.0.0.1:9090".into()
+}
+
+/// Whether `s` is `host:port` with a numeric port.
+fn is_host_port(s: &str) -> bool {
+    s.rsplit_once(':')
+        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+}
+
+impl ServeConfig {
+    /// A config with defaults for everything but the backends and the policy.
+    pub fn quick(listen: &str, backends: &[String], policy: &str) -> Self {
+        Self {
+            listen: listen.to_owned(),
+            admin_listen: default_admin_listen(),
+            backends: backends
+                .iter()
+                .map(|u| BackendConfig {
+                    url: u.clone(),
+                    name: None,
+                })
+                .collect(),
+            routing: RoutingConfig {
+                policy: policy.to_owned(),
+                ..RoutingConfig::default()
+            },
+            health: HealthConfig::default(),
+            scrape: ScrapeConfig::default(),
+            timeouts: TimeoutConfig::default(),
+            limits: LimitConfig::default(),
+        }
+    }
+
+    /// Validates a config built in code (files are validated when loaded).
+    pub fn validated(self) -> Result<Self, Vec<FieldError>> {
+        let mut errors = Vec::new();
+        self.validate("", &mut errors);
+        if errors.is_empty() {
+            Ok(self)
+        } else {
+            Err(errors)
+        }
+    }
+}
+
+impl Validate for ServeConfig {
+    fn validate(&self, p: &str, e: &mut Vec<FieldError>) {
+        let addr = "must be host:port, e.g. 127.0.0.1:8080";
+        check(
+            e,
+            is_host_port(&self.listen),
+            p,
+            "listen",
+            &self.listen,
+            addr,
+        );
+        check(
+            e,
+            is_host_port(&self.admin_listen),
+            p,
+            "admin_listen",
+            &self.admin_listen,
+            addr,
+        );
+        check(
+            e,
+            !self.backends.is_empty(),
+            p,
+            "backends",
+            "[]",
+            "at least one backend is needed",
+        );
+        let mut names = std::collections::HashSet::new();
+        for (i, b) in self.backends.iter().enumerate() {
+            let bp = field_path(p, &format!("backends[{i}]"));
+            let rest = b.url.strip_prefix("http://");
+            let ok = rest.is_some_and(|r| is_host_port(r.trim_end_matches('/')));
+            let why = if b.url.starts_with("https://") {
+                "TLS to replicas is not supported yet; use http://host:port"
+            } else {
+                "must be http://host:port (no path)"
+            };
+            check(e, ok, &bp, "url", &b.url, why);
+            let name = b.display_name();
+            check(
+                e,
+                names.insert(name.clone()),
+                &bp,
+                "name",
+                &name,
+                "names must be unique",
+            );
+        }
+        let r = &self.routing;
+        let rp = field_path(p, "routing");
+        check(
+            e,
+            POLICIES.contains(&r.policy.as_str()),
+            &rp,
+            "policy",
+            &r.policy,
+            &format!("must be one of {}", POLICIES.join(", ")),
+        );
+        check(
+            e,
+            (1..=1024).contains(&r.block_tokens),
+            &rp,
+            "block_tokens",
+            r.block_tokens,
+            "must be 1..=1024 (vLLM uses 16)",
+        );
+        check(
+            e,
+            r.max_hashed_tokens >= r.block_tokens,
+            &rp,
+            "max_hashed_tokens",
+            r.max_hashed_tokens,
+            "must be at least one block",
+        );
+        check(
+            e,
+            r.decode_weight.is_finite() && r.decode_weight >= 0.0,
+            &rp,
+            "decode_weight",
+            r.decode_weight,
+            "must be a finite number ≥ 0",
+        );
+        check(
+            e,
+            r.index_blocks != Some(0),
+            &rp,
+            "index_blocks",
+            0,
+            "must be positive (leave it out to read it from the replica)",
+        );
+        check(
+            e,
+            !r.session_header.is_empty() && r.session_header.is_ascii(),
+            &rp,
+            "session_header",
+            &r.session_header,
+            "must be a header name",
+        );
+        let h = &self.health;
+        let hp = field_path(p, "health");
+        check(
+            e,
+            h.path.starts_with('/'),
+            &hp,
+            "path",
+            &h.path,
+            "must start with /",
+        );
+        check(
+            e,
+            h.interval_ms > 0,
+            &hp,
+            "interval_ms",
+            0,
+            "must be positive",
+        );
+        check(
+            e,
+            h.timeout_ms > 0,
+            &hp,
+            "timeout_ms",
+            0,
+            "must be positive",
+        );
+        check(
+            e,
+            h.unhealthy_after > 0,
+            &hp,
+            "unhealthy_after",
+            0,
+            "must be ≥ 1",
+        );
+        check(
+            e,
+            h.healthy_after > 0,
+            &hp,
+            "healthy_after",
+            0,
+            "must be ≥ 1",
+        );
+        check(e, h.eject_after > 0, &hp, "eject_after", 0, "must be ≥ 1");
+        check(
+            e,
+            (0.0..=1.0).contains(&h.max_ejected_fraction),
+            &hp,
+            "max_ejected_fraction",
+            h.max_ejected_fraction,
+            "must be between 0 and 1",
+        );
+        let t = &self.timeouts;
+        let tp = field_path(p, "timeouts");
+        for (name, v) in [
+            ("connect_ms", t.connect_ms),
+            ("first_byte_ms", t.first_byte_ms),
+            ("idle_ms", t.idle_ms),
+        ] {
+            check(e, v > 0, &tp, name, v, "must be positive");
+        }
+        check(
+            e,
+            self.limits.max_body_bytes >= 1024,
+            &field_path(p, "limits"),
+            "max_body_bytes",
+            self.limits.max_body_bytes,
+            "must be at least 1024",
+        );
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::parse_toml;
+    use std::path::Path;
+
+    #[test]
+    fn the_example_config_is_valid_and_complete() {
+        let text = include_str!("../examples/headroom.toml");
+        let c: ServeConfig = parse_toml(text, Path::new("headroom.toml")).unwrap();
+        assert_eq!(c.backends.len(), 4);
+        // The example spells out every default.
+        assert_eq!(c.routing, RoutingConfig::default());
+        assert_eq!(c.health, HealthConfig::default());
+        assert_eq!(c.timeouts, TimeoutConfig::default());
+        assert_eq!(c.limits, LimitConfig::default());
+        assert_eq!(c.scrape, ScrapeConfig::default());
+    }
+
+    #[test]
+    fn minimal_config_gets_defaults() {
+        let c: ServeConfig = parse_toml(
+            "[[backends]]\nurl = \"http://127.0.0.1:8000\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(c.routing.policy, "prefix_affinity");
+        assert_eq!(c.backends[0].display_name(), "127.0.0.1:8000");
+        assert_eq!(c.admin_listen, "127.0.0.1:9090");
+    }
+
+    #[test]
+    fn errors_name_field_value_and_reason() {
+        let text = r#"
+listen = "8080"
+[[backends]]
+url = "https://a:1"
+[[backends]]
+url = "http://b:2/v1"
+[routing]
+policy = "fastest"
+block_tokens = 0
+"#;
+        let err = parse_toml::<ServeConfig>(text, Path::new("h.toml"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "listen = 8080: must be host:port",
+            "backends[0].url = https://a:1: TLS to replicas is not supported yet",
+            "backends[1].url = http://b:2/v1: must be http://host:port",
+            "routing.policy = fastest: must be one of round_robin",
+            "routing.block_tokens = 0",
+        ] {
+            assert!(err.contains(want), "missing {want:?} in\n{err}");
+        }
+    }
+
+    #[test]
+    fn quick_configs_are_validated_too() {
+        let bad = ServeConfig::quick("127.0.0.1:0", &["localhost".into()], "random").validated();
+        let errs = bad.unwrap_err();
+        assert_eq!(errs.len(), 2, "{errs:?}");
+        let ok = ServeConfig::quick("127.0.0.1:0", &["http://127.0.0.1:1".into()], "least_load");
+        assert!(ok.validated().is_ok());
+    }
+}

@@ -1,0 +1,393 @@
+//! The pingora application: every request is classified by route in `request_filter` and answered
+//! there: generation requests are inspected, routed and forwarded (forward.rs), `/v1/models` is
+//! merged over the fleet, `/health` and `/tokenize` are passed through, and anything else is a 404
+//! that never reaches an engine.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use async_trait::async_trait;
+use bytes::{Bytes, BytesMut};
+use headroom_config::serve::ServeConfig;
+use headroom_workload::inspect::{Endpoint, InspectConfig, inspect};
+use http::{Method, header};
+use pingora::connectors::http::Connector;
+use pingora::http::ResponseHeader;
+use pingora::proxy::{ProxyHttp, Session};
+use pingora::upstreams::peer::HttpPeer;
+
+use crate::error::{ErrorKind, ProxyError};
+use crate::forward::{Ended, Outgoing};
+use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
+use crate::telemetry::Metrics;
+use crate::upstreams::Fleet;
+
+/// The proxy: shared by every connection.
+pub struct Headroom {
+    /// The replicas.
+    pub fleet: Arc<Fleet>,
+    /// The configured routing policy (generation requests).
+    pub policy: Arc<dyn RoutingPolicy>,
+    /// Passing-through routes go to the least-loaded replica.
+    pub passthrough: LeastLoad,
+    /// Metrics.
+    pub metrics: Arc<Metrics>,
+    /// Pooled upstream connections.
+    pub connector: Connector,
+    /// The config it was built from.
+    pub cfg: Arc<ServeConfig>,
+    /// Prompt hashing settings.
+    pub inspect: InspectConfig,
+    /// For fan-out requests (`/v1/models`).
+    pub http: reqwest::Client,
+}
+
+impl std::fmt::Debug for Headroom {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Headroom")
+            .field("fleet", &self.fleet)
+            .field("policy", &self.policy.name())
+            .finish_non_exhaustive()
+    }
+}
+
+/// Per-request state.
+#[derive(Debug)]
+pub struct RequestCtx {
+    /// When the request header arrived.
+    pub start: Instant,
+    /// The route's name in metrics.
+    pub route: &'static str,
+    /// The replica that answered, if one did.
+    pub backend: Option<String>,
+    /// The status sent to the client.
+    pub status: u16,
+    /// The response header has been sent.
+    pub response_started: bool,
+    /// The first output-bearing event has been seen.
+    pub first_output_seen: bool,
+    /// The client's `x-request-id`, or one made up for it.
+    pub request_id: String,
+}
+
+enum Route {
+    Generate(Endpoint),
+    Models,
+    PassThrough,
+    Unknown,
+}
+
+fn route_of(path: &str) -> (Route, &'static str) {
+    if let Some(e) = Endpoint::from_path(path) {
+        let name = match e {
+            Endpoint::Chat => "chat",
+            Endpoint::Completions => "completions",
+        };
+        return (Route::Generate(e), name);
+    }
+    match path {
+        "/v1/models" => (Route::Models, "models"),
+        "/health" => (Route::PassThrough, "health"),
+        "/tokenize" => (Route::PassThrough, "tokenize"),
+        "/detokenize" => (Route::PassThrough, "detokenize"),
+        _ => (Route::Unknown, "unknown"),
+    }
+}
+
+impl Headroom {
+    async fn handle(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
+        let path = session.req_header().uri.path().to_owned();
+        let method = session.req_header().method.clone();
+        let (route, name) = route_of(&path);
+        ctx.route = name;
+        match route {
+            Route::Unknown => Err(ProxyError::new(
+                ErrorKind::UnknownRoute,
+                format!("headroom does not serve {path}"),
+            )),
+            Route::Generate(endpoint) => {
+                if method != Method::POST {
+                    return Err(not_allowed(&method, &path));
+                }
+                let body = self.read_body(session).await?;
+                self.generate(session, ctx, endpoint, body).await
+            }
+            Route::Models => {
+                if method != Method::GET {
+                    return Err(not_allowed(&method, &path));
+                }
+                self.models(session, ctx).await
+            }
+            Route::PassThrough => {
+                let body = self.read_body(session).await?;
+                let out = Outgoing {
+                    body,
+                    route: RouteRequest::default(),
+                    record: false,
+                    model: None,
+                };
+                self.forward(session, ctx, out, &self.passthrough)
+                    .await
+                    .map(drop)
+            }
+        }
+    }
+
+    async fn generate(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        endpoint: Endpoint,
+        body: Bytes,
+    ) -> Result<(), ProxyError> {
+        // A body the inspector cannot read still goes to an engine, whose own error is the
+        // authoritative one; it is routed without prefix information.
+        let inspected = inspect(endpoint, &body, &self.inspect).ok();
+        if inspected.is_none() {
+            self.metrics.uninspectable.inc();
+        }
+        let session_key = session
+            .req_header()
+            .headers
+            .get(self.cfg.routing.session_header.as_str())
+            .and_then(|v| v.to_str().ok())
+            .map(str::to_owned);
+        let route = RouteRequest {
+            blocks: inspected.as_ref().map_or(&[], |i| &i.blocks),
+            block_tokens: self.inspect.block_tokens,
+            prompt_tokens: inspected
+                .as_ref()
+                .map_or((body.len() / 4) as u32, |i| i.prompt_tokens),
+            session: session_key.as_deref(),
+        };
+        let out = Outgoing {
+            body,
+            route,
+            record: true,
+            model: inspected.as_ref().and_then(|i| i.model.as_deref()),
+        };
+        let ended = self
+            .forward(session, ctx, out, self.policy.as_ref())
+            .await?;
+        if let Ended::ClientGone = ended {
+            ctx.status = 499;
+        }
+        Ok(())
+    }
+
+    /// Reads the whole request body, refusing one over `limits.max_body_bytes`.
+    async fn read_body(&self, session: &mut Session) -> Result<Bytes, ProxyError> {
+        let max = self.cfg.limits.max_body_bytes;
+        let too_large = || {
+            ProxyError::new(
+                ErrorKind::BodyTooLarge,
+                format!("the request body is larger than {max} bytes (limits.max_body_bytes)"),
+            )
+        };
+        let declared = session
+            .req_header()
+            .headers
+            .get(header::CONTENT_LENGTH)
+            .and_then(|v| v.to_str().ok())
+            .and_then(|v| v.parse::<u64>().ok());
+        if declared.is_some_and(|n| n > max) {
+            return Err(too_large());
+        }
+        let expects_continue = session
+            .req_header()
+            .headers
+            .get(header::EXPECT)
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+        if expects_continue {
+            let _ = session.as_downstream_mut().write_continue_response().await;
+        }
+        let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(max) as usize);
+        loop {
+            match session.read_request_body().await {
+                Ok(Some(chunk)) => {
+                    if (body.len() + chunk.len()) as u64 > max {
+                        return Err(too_large());
+                    }
+                    body.extend_from_slice(&chunk);
+                }
+                Ok(None) => return Ok(body.freeze()),
+                Err(e) => {
+                    return Err(ProxyError::new(
+                        ErrorKind::ClientBody,
+                        format!("reading the request body: {e}"),
+                    ));
+                }
+            }
+        }
+    }
+
+    /// `/v1/models`: the models of every available replica, each listed once.
+    async fn models(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
+        let asks = self
+            .fleet
+            .backends
+            .iter()
+            .filter(|b| self.fleet.is_available(b))
+            .map(|b| {
+                let req = self
+                    .http
+                    .get(format!("{}/v1/models", b.url))
+                    .timeout(Duration::from_millis(self.cfg.health.timeout_ms.max(2_000)));
+                async move {
+                    let resp = req.send().await.ok()?;
+                    if !resp.status().is_success() {
+                        return None;
+                    }
+                    resp.json::<serde_json::Value>().await.ok()
+                }
+            });
+        let answers = futures_util::future::join_all(asks).await;
+        let mut seen = std::collections::HashSet::new();
+        let mut data = Vec::new();
+        let mut answered = false;
+        for list in answers.into_iter().flatten() {
+            answered = true;
+            let Some(models) = list.get("data").and_then(|d| d.as_array()) else {
+                continue;
+            };
+            for m in models {
+                let id = m.get("id").and_then(|i| i.as_str()).unwrap_or_default();
+                if seen.insert(id.to_owned()) {
+                    data.push(m.clone());
+                }
+            }
+        }
+        if !answered {
+            return Err(ProxyError::new(
+                ErrorKind::NoBackend,
+                "no replica answered /v1/models",
+            ));
+        }
+        let body = serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
+            .unwrap_or_default();
+        ctx.status = 200;
+        respond(session, 200, "application/json", body, None).await;
+        Ok(())
+    }
+}
+
+fn not_allowed(method: &Method, path: &str) -> ProxyError {
+    ProxyError::new(
+        ErrorKind::MethodNotAllowed,
+        format!("{method} is not allowed on {path}"),
+    )
+}
+
+/// Writes a complete response; a client that has gone away is not an error worth reporting.
+async fn respond(
+    session: &mut Session,
+    status: u16,
+    content_type: &str,
+    body: Vec<u8>,
+    retry_after: Option<u32>,
+) {
+    let Ok(mut resp) = ResponseHeader::build(status, Some(4)) else {
+        return;
+    };
+    let _ = resp.insert_header(header::CONTENT_TYPE, content_type);
+    let _ = resp.insert_header(header::CONTENT_LENGTH, body.len().to_string());
+    if let Some(s) = retry_after {
+        let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
+    }
+    if session
+        .write_response_header(Box::new(resp), false)
+        .await
+        .is_ok()
+    {
+        let _ = session.write_response_body(Some(body.into()), true).await;
+    }
+}
+
+fn request_id(session: &Session) -> String {
+    session
+        .req_header()
+        .headers
+        .get("x-request-id")
+        .and_then(|v| v.to_str().ok())
+        .filter(|v| !v.is_empty() && v.len() <= 128)
+        .map_or_else(|| format!("{:016x}", rand_id()), str::to_owned)
+}
+
+fn rand_id() -> u64 {
+    use std::sync::atomic::{AtomicU64, Ordering};
+    static NEXT: AtomicU64 = AtomicU64::new(0);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed);
+    let t = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos() as u64);
+    xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), t ^ u64::from(std::process::id()))
+}
+
+#[async_trait]
+impl ProxyHttp for Headroom {
+    type CTX = RequestCtx;
+
+    fn new_ctx(&self) -> RequestCtx {
+        RequestCtx {
+            start: Instant::now(),
+            route: "unknown",
+            backend: None,
+            status: 0,
+            response_started: false,
+            first_output_seen: false,
+            request_id: String::new(),
+        }
+    }
+
+    async fn upstream_peer(
+        &self,
+        _session: &mut Session,
+        _ctx: &mut RequestCtx,
+    ) -> pingora::Result<Box<HttpPeer>> {
+        // request_filter answers every request, so pingora's own proxying never runs.
+        Err(pingora::Error::explain(
+            pingora::ErrorType::InternalError,
+            "headroom answers every request in request_filter",
+        ))
+    }
+
+    async fn request_filter(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+    ) -> pingora::Result<bool> {
+        ctx.start = Instant::now();
+        ctx.request_id = request_id(session);
+        if let Err(e) = self.handle(session, ctx).await {
+            self.metrics
+                .proxy_errors
+                .with_label_values(&[e.reason()])
+                .inc();
+            ctx.status = e.status();
+            if !ctx.response_started {
+                respond(
+                    session,
+                    e.status(),
+                    "application/json",
+                    e.body(),
+                    e.retry_after(),
+                )
+                .await;
+            }
+        }
+        Ok(true)
+    }
+
+    async fn logging(
+        &self,
+        _session: &mut Session,
+        _e: Option<&pingora::Error>,
+        ctx: &mut RequestCtx,
+    ) {
+        let status = ctx.status.to_string();
+        self.metrics
+            .requests
+            .with_label_values(&[ctx.route, ctx.backend.as_deref().unwrap_or("none"), &status])
+            .inc();
+    }
+}

@@ -1,0 +1,136 @@
+//! Why the proxy answered a request itself, and the one place such a reason becomes an HTTP status,
+//! an OpenAI-shaped error body and, when the client may try again, a `Retry-After`.
+
+use std::fmt;
+
+/// Where a proxy-made answer comes from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ErrorKind {
+    /// The path is not one headroom serves.
+    UnknownRoute,
+    /// The method is not allowed on the path.
+    MethodNotAllowed,
+    /// The body could not be read as the endpoint's request.
+    BadRequest,
+    /// The body is larger than `limits.max_body_bytes`.
+    BodyTooLarge,
+    /// The client's body could not be read (it went away or stalled).
+    ClientBody,
+    /// No replica is configured, healthy and not ejected.
+    NoBackend,
+    /// Connecting to or writing the request to a replica failed.
+    UpstreamConnect,
+    /// A replica closed the connection or failed before sending a response header.
+    UpstreamReset,
+    /// A replica sent no response header within `timeouts.first_byte_ms`.
+    UpstreamTimeout,
+}
+
+/// A failure with its cause; `retryable` says whether another replica may be tried.
+#[derive(Debug)]
+pub struct ProxyError {
+    /// What failed.
+    pub kind: ErrorKind,
+    /// Whether trying another replica could succeed (nothing has reached the client yet).
+    pub retryable: bool,
+    /// Human-readable detail, safe to show the client (never prompt text).
+    pub detail: String,
+}
+
+impl ProxyError {
+    /// An error of `kind` with `detail`; retryability follows the kind.
+    pub fn new(kind: ErrorKind, detail: impl Into<String>) -> Self {
+        let retryable = matches!(kind, ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset);
+        Self {
+            kind,
+            retryable,
+            detail: detail.into(),
+        }
+    }
+
+    /// The HTTP status the client receives.
+    pub fn status(&self) -> u16 {
+        match self.kind {
+            ErrorKind::UnknownRoute => 404,
+            ErrorKind::MethodNotAllowed => 405,
+            ErrorKind::BadRequest => 400,
+            ErrorKind::BodyTooLarge => 413,
+            ErrorKind::ClientBody => 400,
+            ErrorKind::NoBackend => 503,
+            ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset => 502,
+            ErrorKind::UpstreamTimeout => 504,
+        }
+    }
+
+    /// Seconds the client should wait before trying again, when it should.
+    pub fn retry_after(&self) -> Option<u32> {
+        matches!(
+            self.kind,
+            ErrorKind::NoBackend | ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset
+        )
+        .then_some(1)
+    }
+
+    /// A short stable name for metrics and the `x-headroom-error` header.
+    pub fn reason(&self) -> &'static str {
+        match self.kind {
+            ErrorKind::UnknownRoute => "unknown_route",
+            ErrorKind::MethodNotAllowed => "method_not_allowed",
+            ErrorKind::BadRequest => "bad_request",
+            ErrorKind::BodyTooLarge => "body_too_large",
+            ErrorKind::ClientBody => "client_body",
+            ErrorKind::NoBackend => "no_backend",
+            ErrorKind::UpstreamConnect => "upstream_connect",
+            ErrorKind::UpstreamReset => "upstream_reset",
+            ErrorKind::UpstreamTimeout => "upstream_timeout",
+        }
+    }
+
+    /// The body, in the shape OpenAI-compatible servers use for errors.
+    pub fn body(&self) -> Vec<u8> {
+        let kind = match self.status() {
+            400 | 413 => "BadRequestError",
+            404 => "NotFoundError",
+            405 => "MethodNotAllowedError",
+            _ => "ServiceUnavailableError",
+        };
+        serde_json::to_vec(&serde_json::json!({
+            "error": {
+                "message": self.detail,
+                "type": kind,
+                "param": null,
+                "code": self.status(),
+            }
+        }))
+        .unwrap_or_default()
+    }
+}
+
+impl fmt::Display for ProxyError {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "{}: {}", self.reason(), self.detail)
+    }
+}
+
+impl std::error::Error for ProxyError {}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn statuses_and_retry_hints() {
+        let e = ProxyError::new(ErrorKind::NoBackend, "no healthy replica");
+        assert_eq!(
+            (e.status(), e.retry_after(), e.retryable),
+            (503, Some(1), false)
+        );
+        let e = ProxyError::new(ErrorKind::UpstreamConnect, "refused");
+        assert_eq!((e.status(), e.retryable), (502, true));
+        let e = ProxyError::new(ErrorKind::UnknownRoute, "/admin");
+        assert_eq!((e.status(), e.retry_after()), (404, None));
+        let body: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
+        assert_eq!(body["error"]["code"], 404);
+        assert_eq!(body["error"]["message"], "/admin");
+    }
+}

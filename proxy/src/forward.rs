@@ -1,0 +1,433 @@
+//! One request's exchange with the replicas: pick, send, retry on another replica while nothing
+//! has reached the client, then relay the response chunk by chunk (never buffered), watching the
+//! client so that its disconnect cancels the upstream request.
+//!
+//! The request body is read whole by the proxy first (routing needs the prompt), so any retry
+//! re-sends exactly the bytes the client sent, whatever their size.
+
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use bytes::Bytes;
+use headroom_workload::sse::{SseParser, is_output_event};
+use http::header;
+use pingora::http::{RequestHeader, ResponseHeader};
+use pingora::protocols::http::client::HttpSession as UpstreamSession;
+use pingora::proxy::Session;
+use pingora::upstreams::peer::HttpPeer;
+
+use crate::app::{Headroom, RequestCtx};
+use crate::error::{ErrorKind, ProxyError};
+use crate::routing::{RouteRequest, RoutingPolicy};
+use crate::upstreams::{Backend, InFlight};
+
+/// Request headers that belong to one connection, never forwarded (RFC 9110 §7.6.1), plus the
+/// ones the proxy sets itself.
+const HOP_BY_HOP: &[&str] = &[
+    "connection",
+    "keep-alive",
+    "proxy-connection",
+    "proxy-authorization",
+    "te",
+    "trailer",
+    "transfer-encoding",
+    "upgrade",
+    "expect",
+    "host",
+    "content-length",
+];
+
+/// Statuses after which another replica is tried: the replica could not take the request.
+const RETRY_STATUSES: &[u16] = &[502, 503];
+
+/// How a forwarded request ended, once it could no longer be answered by the proxy.
+#[derive(Debug)]
+pub enum Ended {
+    /// The response was relayed to its end.
+    Complete,
+    /// The client went away; the upstream request was cancelled by closing its connection.
+    ClientGone,
+    /// The replica cut the response or fell silent past the idle timeout after it started.
+    UpstreamCut,
+}
+
+/// What to forward.
+#[derive(Debug)]
+pub struct Outgoing<'a> {
+    /// The request body, exactly as the client sent it.
+    pub body: Bytes,
+    /// Routing input.
+    pub route: RouteRequest<'a>,
+    /// Whether to tell the policy where the request went (generation requests only).
+    pub record: bool,
+    /// The requested model: replicas known not to serve it are skipped, unless none serves it
+    /// (then an engine answers the client with its own error).
+    pub model: Option<&'a str>,
+}
+
+fn upstream_header(
+    session: &Session,
+    backend: &Backend,
+    body_len: usize,
+    request_id: &str,
+) -> Result<RequestHeader, ProxyError> {
+    let down = session.req_header();
+    let path = down
+        .uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .as_bytes();
+    let bad = |e: Box<pingora::Error>| ProxyError::new(ErrorKind::BadRequest, e.to_string());
+    let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
+        .map_err(bad)?;
+    for (name, value) in &down.headers {
+        if !HOP_BY_HOP.contains(&name.as_str()) {
+            up.append_header(name.clone(), value.clone()).map_err(bad)?;
+        }
+    }
+    up.insert_header(header::HOST, backend.authority.as_str())
+        .map_err(bad)?;
+    up.insert_header(header::CONTENT_LENGTH, body_len.to_string())
+        .map_err(bad)?;
+    up.insert_header("x-request-id", request_id).map_err(bad)?;
+    if let Some(addr) = session.client_addr().and_then(|a| a.as_inet()) {
+        let xff = match down
+            .headers
+            .get("x-forwarded-for")
+            .and_then(|v| v.to_str().ok())
+        {
+            Some(prev) => format!("{prev}, {}", addr.ip()),
+            None => addr.ip().to_string(),
+        };
+        up.insert_header("x-forwarded-for", xff).map_err(bad)?;
+    }
+    Ok(up)
+}
+
+fn classify(e: &pingora::Error, stage: &str) -> ProxyError {
+    use pingora::ErrorType as T;
+    let kind = match e.etype() {
+        T::ConnectTimedout
+        | T::ConnectRefused
+        | T::ConnectNoRoute
+        | T::ConnectError
+        | T::BindError
+        | T::ConnectProxyFailure
+        | T::SocketError => ErrorKind::UpstreamConnect,
+        _ => ErrorKind::UpstreamReset,
+    };
+    ProxyError::new(kind, format!("{stage}: {e}"))
+}
+
+/// An upstream exchange that has its response header.
+struct Started {
+    up: UpstreamSession,
+    peer: HttpPeer,
+    resp: ResponseHeader,
+}
+
+enum Attempt {
+    Started(Box<Started>),
+    Failed(ProxyError),
+    ClientGone,
+}
+
+impl Headroom {
+    /// Forwards `out` to a replica picked by `policy`, retrying on others per the config, and
+    /// relays the response. `Err` means nothing reached the client yet and the caller answers.
+    pub(crate) async fn forward(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        out: Outgoing<'_>,
+        policy: &dyn RoutingPolicy,
+    ) -> Result<Ended, ProxyError> {
+        let mut tried: Vec<usize> = Vec::new();
+        let mut last_err: Option<ProxyError> = None;
+        for attempt in 0..=self.cfg.limits.retries {
+            let route_start = Instant::now();
+            let mut views = self.fleet.views();
+            if let Some(model) = out.model {
+                let serves: Vec<bool> = self
+                    .fleet
+                    .backends
+                    .iter()
+                    .map(|b| b.serves(model) != Some(false))
+                    .collect();
+                if views.iter().any(|v| v.healthy && serves[v.id]) {
+                    for v in &mut views {
+                        v.healthy &= serves[v.id];
+                    }
+                }
+            }
+            for v in views.iter_mut().filter(|v| tried.contains(&v.id)) {
+                v.healthy = false;
+            }
+            let pick = match policy.select(&out.route, &views) {
+                Ok(p) => p,
+                Err(e) => {
+                    return Err(last_err
+                        .unwrap_or_else(|| ProxyError::new(ErrorKind::NoBackend, e.to_string())));
+                }
+            };
+            self.metrics
+                .route_seconds
+                .observe(route_start.elapsed().as_secs_f64());
+            let backend = self.fleet.backends[pick.backend].clone();
+            if attempt == 0 && out.record {
+                policy.record(&out.route, &pick);
+                self.metrics
+                    .routed_prompt_tokens
+                    .inc_by(u64::from(out.route.prompt_tokens));
+                self.metrics
+                    .routed_matched_tokens
+                    .inc_by(u64::from(pick.matched_tokens));
+            }
+            self.metrics
+                .routed
+                .with_label_values(&[policy.name(), &backend.name])
+                .inc();
+            tried.push(backend.id);
+            ctx.backend = Some(backend.name.clone());
+            let uncached = out.route.prompt_tokens.saturating_sub(pick.matched_tokens);
+            let mut guard = InFlight::new(backend.clone(), u64::from(uncached));
+
+            let started = match self
+                .start(session, &backend, &out.body, &ctx.request_id)
+                .await
+            {
+                Attempt::Started(s) => s,
+                Attempt::ClientGone => {
+                    self.metrics
+                        .client_aborts
+                        .with_label_values(&[&backend.name])
+                        .inc();
+                    return Ok(Ended::ClientGone);
+                }
+                Attempt::Failed(e) => {
+                    self.fleet.request_failed(&backend);
+                    if e.retryable && attempt < self.cfg.limits.retries {
+                        self.metrics.retries.with_label_values(&[e.reason()]).inc();
+                        last_err = Some(e);
+                        continue;
+                    }
+                    return Err(e);
+                }
+            };
+            let status = started.resp.status.as_u16();
+            if RETRY_STATUSES.contains(&status) && attempt < self.cfg.limits.retries {
+                self.fleet.request_failed(&backend);
+                self.metrics
+                    .retries
+                    .with_label_values(&[&format!("status_{status}")])
+                    .inc();
+                // Dropping the session closes its connection; the body is not wanted.
+                last_err = Some(ProxyError::new(
+                    ErrorKind::UpstreamReset,
+                    format!("{} answered {status}", backend.name),
+                ));
+                continue;
+            }
+            if status >= 500 {
+                self.fleet.request_failed(&backend);
+            } else {
+                self.fleet.request_succeeded(&backend);
+            }
+            ctx.status = status;
+            return Ok(self.relay(session, ctx, started, &mut guard).await);
+        }
+        Err(last_err.unwrap_or_else(|| ProxyError::new(ErrorKind::NoBackend, "no attempt made")))
+    }
+
+    /// Connects, sends the request and waits for the response header, while watching the client.
+    async fn start(
+        &self,
+        session: &mut Session,
+        backend: &Backend,
+        body: &Bytes,
+        request_id: &str,
+    ) -> Attempt {
+        let header = match upstream_header(session, backend, body.len(), request_id) {
+            Ok(h) => h,
+            Err(e) => return Attempt::Failed(e),
+        };
+        let t = &self.cfg.timeouts;
+        let mut peer = HttpPeer::new(backend.addr, false, String::new());
+        peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
+        let send = async {
+            let (mut up, _reused) = self
+                .connector
+                .get_http_session(&peer)
+                .await
+                .map_err(|e| classify(&e, "connect"))?;
+            up.write_request_header(Box::new(header))
+                .await
+                .map_err(|e| classify(&e, "sending request"))?;
+            up.write_request_body(body.clone(), true)
+                .await
+                .map_err(|e| classify(&e, "sending body"))?;
+            up.finish_request_body()
+                .await
+                .map_err(|e| classify(&e, "sending body"))?;
+            let first_byte = Duration::from_millis(t.first_byte_ms);
+            match tokio::time::timeout(first_byte, up.read_response_header()).await {
+                Err(_) => Err(ProxyError::new(
+                    ErrorKind::UpstreamTimeout,
+                    format!(
+                        "{} sent no response header within {first_byte:?}",
+                        backend.name
+                    ),
+                )),
+                Ok(Err(e)) => Err(classify(&e, "reading response header")),
+                Ok(Ok(())) => {
+                    let resp = up.response_header().cloned().ok_or_else(|| {
+                        ProxyError::new(ErrorKind::UpstreamReset, "no response header")
+                    })?;
+                    Ok((up, resp))
+                }
+            }
+        };
+        tokio::select! {
+            r = send => match r {
+                Ok((up, resp)) => Attempt::Started(Box::new(Started { up, peer, resp })),
+                Err(e) => Attempt::Failed(e),
+            },
+            _ = session.as_downstream_mut().read_body_or_idle(true) => Attempt::ClientGone,
+        }
+    }
+
+    /// Relays the response to the client. Past this point every outcome is final.
+    async fn relay(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        started: Box<Started>,
+        guard: &mut InFlight,
+    ) -> Ended {
+        let Started {
+            mut up,
+            peer,
+            mut resp,
+        } = *started;
+        let backend = guard.backend().clone();
+        for h in ["connection", "keep-alive", "proxy-connection"] {
+            resp.remove_header(h);
+        }
+        let _ = resp.insert_header("x-headroom-backend", backend.name.as_str());
+        let is_sse = resp
+            .headers
+            .get(header::CONTENT_TYPE)
+            .and_then(|v| v.to_str().ok())
+            .is_some_and(|v| v.starts_with("text/event-stream"));
+        let end_now = up.response_done();
+        if session
+            .write_response_header(Box::new(resp), false)
+            .await
+            .is_err()
+        {
+            return self.client_gone(&backend);
+        }
+        ctx.response_started = true;
+        let mut parser = is_sse.then(SseParser::new);
+        let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
+        let mut done = end_now;
+        while !done {
+            tokio::select! {
+                r = tokio::time::timeout(idle, up.read_response_body()) => match r {
+                    Ok(Ok(Some(chunk))) => {
+                        if let Some(p) = parser.as_mut() {
+                            let mut output = false;
+                            p.feed(&chunk, |ev| output |= is_output_event(&ev.data));
+                            if output {
+                                self.first_output(ctx, guard, &backend);
+                                parser = None;
+                            }
+                        }
+                        if session.write_response_body(Some(chunk), false).await.is_err() {
+                            return self.client_gone(&backend);
+                        }
+                    }
+                    Ok(Ok(None)) => done = true,
+                    Ok(Err(_)) | Err(_) => {
+                        return self.upstream_cut(session, &backend, is_sse, r.is_err()).await;
+                    }
+                },
+                _ = session.as_downstream_mut().read_body_or_idle(true) => {
+                    return self.client_gone(&backend);
+                }
+            }
+        }
+        if session.write_response_body(None, true).await.is_err() {
+            return self.client_gone(&backend);
+        }
+        if !ctx.first_output_seen {
+            // A non-streamed answer: its first output is its end.
+            self.first_output(ctx, guard, &backend);
+        }
+        self.metrics
+            .e2e
+            .with_label_values(&[&backend.name])
+            .observe(ctx.start.elapsed().as_secs_f64());
+        let pool_idle = Duration::from_millis(self.cfg.timeouts.pool_idle_ms);
+        self.connector
+            .release_http_session(up, &peer, Some(pool_idle))
+            .await;
+        Ended::Complete
+    }
+
+    fn first_output(&self, ctx: &mut RequestCtx, guard: &mut InFlight, backend: &Arc<Backend>) {
+        if ctx.first_output_seen {
+            return;
+        }
+        ctx.first_output_seen = true;
+        guard.first_output();
+        self.metrics
+            .ttft
+            .with_label_values(&[&backend.name])
+            .observe(ctx.start.elapsed().as_secs_f64());
+    }
+
+    fn client_gone(&self, backend: &Backend) -> Ended {
+        self.metrics
+            .client_aborts
+            .with_label_values(&[&backend.name])
+            .inc();
+        Ended::ClientGone
+    }
+
+    /// The replica failed mid-response: a stream gets an SSE error event so the client sees a
+    /// failure rather than a clean end; anything else is cut off.
+    async fn upstream_cut(
+        &self,
+        session: &mut Session,
+        backend: &Backend,
+        is_sse: bool,
+        idle_timeout: bool,
+    ) -> Ended {
+        self.metrics
+            .upstream_cut
+            .with_label_values(&[&backend.name])
+            .inc();
+        self.fleet.request_failed(backend);
+        if is_sse {
+            let why = if idle_timeout {
+                format!(
+                    "{} sent nothing for {} ms",
+                    backend.name, self.cfg.timeouts.idle_ms
+                )
+            } else {
+                format!("{} closed the stream before it finished", backend.name)
+            };
+            let event = serde_json::json!({"error": {
+                "message": why, "type": "UpstreamError", "param": null, "code": 502}});
+            let mut buf = Vec::new();
+            headroom_workload::sse::write_data(&mut buf, &event.to_string());
+            let _ = session.write_response_body(Some(buf.into()), false).await;
+            let _ = session.write_response_body(None, true).await;
+        } else {
+            // Without SSE framing the only honest signal is an abrupt close.
+            session.as_downstream_mut().set_keepalive(None);
+        }
+        Ended::UpstreamCut
+    }
+}

@@ -1,0 +1,255 @@
+//! `headroom serve`: builds the proxy from its config, binds the proxy and admin listeners, and runs
+//! the accept loop (pingora's HTTP proxy engine on headroom's own listener, so port 0 works and
+//! tests run in-process), the health probes and the engine-metrics scraper until stopped.
+
+use std::net::SocketAddr;
+use std::sync::Arc;
+use std::time::Duration;
+
+use axum::Router;
+use axum::http::StatusCode;
+use axum::response::IntoResponse;
+use axum::routing::get;
+use headroom_config::serve::ServeConfig;
+use headroom_workload::inspect::InspectConfig;
+use pingora::apps::ServerApp;
+use pingora::connectors::http::Connector;
+use pingora::server::configuration::ServerConf;
+use tokio::sync::watch;
+use tokio::task::JoinHandle;
+
+use crate::app::Headroom;
+use crate::routing::{
+    ConsistentHash, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin, RoutingPolicy, Session,
+};
+use crate::telemetry::Metrics;
+use crate::upstreams::Fleet;
+use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
+
+/// Why the proxy could not start.
+#[derive(Debug, thiserror::Error)]
+pub enum ServeError {
+    /// The config names something unusable (e.g. a backend that does not resolve).
+    #[error("{0}")]
+    Config(String),
+    /// A listener could not be bound.
+    #[error("cannot listen on {addr}: {source}")]
+    Bind {
+        /// The address.
+        addr: String,
+        /// Why.
+        source: std::io::Error,
+    },
+}
+
+/// A running proxy.
+#[derive(Debug)]
+pub struct ServeHandle {
+    /// Where clients connect.
+    pub addr: SocketAddr,
+    /// Where `/metrics`, `/healthz` and `/readyz` are served.
+    pub admin_addr: SocketAddr,
+    /// The replicas and their state.
+    pub fleet: Arc<Fleet>,
+    /// The proxy's metrics.
+    pub metrics: Arc<Metrics>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
+}
+
+impl ServeHandle {
+    /// Stops accepting, stops the background loops and waits for them.
+    pub async fn shutdown(self) {
+        let _ = self.stop.send(true);
+        for t in self.tasks {
+            let _ = t.await;
+        }
+    }
+
+    /// Resolves when the proxy has been told to stop.
+    pub async fn stopped(&self) {
+        let mut rx = self.stop.subscribe();
+        let _ = rx.wait_for(|s| *s).await;
+    }
+}
+
+/// The routing policy named in the config.
+pub fn build_policy(cfg: &ServeConfig) -> Arc<dyn RoutingPolicy> {
+    let r = &cfg.routing;
+    match r.policy.as_str() {
+        "round_robin" => Arc::new(RoundRobin::default()),
+        "least_load" => Arc::new(LeastLoad),
+        "session" => Arc::new(Session),
+        "consistent_hash" => Arc::new(ConsistentHash),
+        _ => {
+            let mut index = PrefixIndex::new();
+            if let Some(blocks) = r.index_blocks {
+                for i in 0..cfg.backends.len() {
+                    index.set_capacity(i, blocks as usize);
+                }
+            }
+            let mut p = PrefixAffinity::new(index);
+            p.decode_weight = r.decode_weight;
+            Arc::new(p)
+        }
+    }
+}
+
+/// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
+pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
+    let cfg = Arc::new(cfg);
+    let fleet =
+        Arc::new(Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?);
+    let policy = build_policy(&cfg);
+    let metrics = Arc::new(Metrics::new());
+    let http = reqwest::Client::builder()
+        .pool_idle_timeout(Duration::from_secs(30))
+        .build()
+        .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
+    let headroom = Headroom {
+        fleet: fleet.clone(),
+        policy: policy.clone(),
+        passthrough: LeastLoad,
+        metrics: metrics.clone(),
+        connector: Connector::new(None),
+        cfg: cfg.clone(),
+        inspect: InspectConfig {
+            block_tokens: cfg.routing.block_tokens,
+            max_hashed_tokens: cfg.routing.max_hashed_tokens,
+            hash_seed: cfg.routing.hash_seed,
+        },
+        http: http.clone(),
+    };
+
+    let bind = |addr: String| async move {
+        tokio::net::TcpListener::bind(&addr)
+            .await
+            .map_err(|source| ServeError::Bind { addr, source })
+    };
+    let listener = bind(cfg.listen.clone()).await?;
+    let admin_listener = bind(cfg.admin_listen.clone()).await?;
+    let local = |l: &tokio::net::TcpListener, addr: &str| {
+        l.local_addr().map_err(|source| ServeError::Bind {
+            addr: addr.to_owned(),
+            source,
+        })
+    };
+    let addr = local(&listener, &cfg.listen)?;
+    let admin_addr = local(&admin_listener, &cfg.admin_listen)?;
+
+    let (stop, stop_rx) = watch::channel(false);
+    let mut tasks = Vec::new();
+
+    let app = Arc::new(pingora::proxy::http_proxy(
+        &Arc::new(ServerConf::default()),
+        headroom,
+    ));
+    tasks.push(tokio::spawn(accept_loop(listener, app, stop_rx.clone())));
+
+    let admin = admin_router(fleet.clone(), metrics.clone());
+    let mut admin_stop = stop_rx.clone();
+    tasks.push(tokio::spawn(async move {
+        let _ = axum::serve(admin_listener, admin)
+            .with_graceful_shutdown(async move {
+                let _ = admin_stop.wait_for(|s| *s).await;
+            })
+            .await;
+    }));
+
+    tasks.push(tokio::spawn(probe_loop(
+        fleet.clone(),
+        cfg.health.clone(),
+        http.clone(),
+        stop_rx.clone(),
+    )));
+    let block_tokens = u64::from(cfg.routing.block_tokens);
+    let sized_by_config = cfg.routing.index_blocks.is_some();
+    let scrape_metrics = metrics.clone();
+    let on_scrape: OnScrape = Arc::new(move |b, g| {
+        scrape_metrics.engine_scraped(b, g);
+        if !sized_by_config {
+            if let Some(tokens) = g.kv_capacity_tokens() {
+                policy.set_capacity(b.id, (tokens / block_tokens) as usize);
+            }
+        }
+    });
+    tasks.push(tokio::spawn(scrape_loop(
+        fleet.clone(),
+        cfg.scrape.clone(),
+        http,
+        on_scrape,
+        stop_rx,
+    )));
+
+    Ok(ServeHandle {
+        addr,
+        admin_addr,
+        fleet,
+        metrics,
+        stop,
+        tasks,
+    })
+}
+
+async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
+    listener: tokio::net::TcpListener,
+    app: Arc<A>,
+    mut stop: watch::Receiver<bool>,
+) {
+    loop {
+        let (tcp, _) = tokio::select! {
+            r = listener.accept() => match r {
+                Ok(c) => c,
+                Err(e) => {
+                    // Out of file descriptors and the like: back off instead of spinning.
+                    tracing::warn!("accept failed: {e}");
+                    tokio::time::sleep(Duration::from_millis(50)).await;
+                    continue;
+                }
+            },
+            // The flag only ever turns true.
+            _ = stop.changed() => return,
+        };
+        let _ = tcp.set_nodelay(true);
+        let (app, shutdown) = (app.clone(), stop.clone());
+        tokio::spawn(async move {
+            let stream = pingora::protocols::l4::stream::Stream::from(tcp);
+            let mut next: Option<pingora::protocols::Stream> = Some(Box::new(stream));
+            while let Some(s) = next {
+                next = app.process_new(s, &shutdown).await;
+            }
+        });
+    }
+}
+
+fn admin_router(fleet: Arc<Fleet>, metrics: Arc<Metrics>) -> Router {
+    let ready_fleet = fleet.clone();
+    Router::new()
+        .route(
+            "/metrics",
+            get(move || {
+                let (fleet, metrics) = (fleet.clone(), metrics.clone());
+                async move {
+                    metrics.refresh(&fleet);
+                    (
+                        [("content-type", "text/plain; version=0.0.4")],
+                        metrics.render(),
+                    )
+                }
+            }),
+        )
+        .route("/healthz", get(|| async { "ok\n" }))
+        .route(
+            "/readyz",
+            get(move || {
+                let fleet = ready_fleet.clone();
+                async move {
+                    if fleet.any_available() {
+                        (StatusCode::OK, "ready\n").into_response()
+                    } else {
+                        (StatusCode::SERVICE_UNAVAILABLE, "no healthy replica\n").into_response()
+                    }
+                }
+            }),
+        )
+}

@@ -1,0 +1,358 @@
+//! The proxy's Prometheus metrics (`headroom_` names, base units), and the per-replica gauges that
+//! are read from the fleet when `/metrics` is scraped rather than updated on the request path.
+
+use std::sync::Mutex;
+
+use headroom_workload::engine_metrics::EngineGauges;
+use prometheus::{
+    Encoder, Histogram, HistogramOpts, HistogramVec, IntCounter, IntCounterVec, Opts, Registry,
+    TextEncoder,
+    core::{AtomicF64, GenericCounterVec, GenericGaugeVec},
+};
+
+use crate::upstreams::{Backend, Fleet};
+
+type FloatCounterVec = GenericCounterVec<AtomicF64>;
+type FloatGaugeVec = GenericGaugeVec<AtomicF64>;
+
+/// Latency buckets in seconds: 1 ms steps where decisions are made, wider in the tail.
+pub const LATENCY_BUCKETS: &[f64] = &[
+    0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
+    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
+    120.0, 300.0,
+];
+
+/// Every metric the proxy exports.
+#[derive(Debug)]
+pub struct Metrics {
+    registry: Registry,
+    /// Requests answered, by route, backend (`none` when the proxy answered) and status.
+    pub requests: IntCounterVec,
+    /// Requests the proxy answered itself, by reason.
+    pub proxy_errors: IntCounterVec,
+    /// Attempts retried on another replica, by reason.
+    pub retries: IntCounterVec,
+    /// Requests whose body could not be inspected (routed without prefix information).
+    pub uninspectable: IntCounter,
+    /// Routing decisions, by policy and backend.
+    pub routed: IntCounterVec,
+    /// Prompt tokens of routed generation requests.
+    pub routed_prompt_tokens: IntCounter,
+    /// Prompt tokens the policy expected the chosen replica to have cached.
+    pub routed_matched_tokens: IntCounter,
+    /// Time from request arrival to the first output-bearing event, by backend.
+    pub ttft: HistogramVec,
+    /// Time from request arrival to the end of the response, by backend.
+    pub e2e: HistogramVec,
+    /// Time spent routing (inspection excluded).
+    pub route_seconds: Histogram,
+    /// Responses cut by the replica or an idle timeout after they started, by backend.
+    pub upstream_cut: IntCounterVec,
+    /// Clients that went away before their response finished, by backend.
+    pub client_aborts: IntCounterVec,
+    backend: BackendGauges,
+    last: Mutex<Vec<BackendTotals>>,
+}
+
+#[derive(Debug)]
+struct BackendGauges {
+    in_flight: FloatGaugeVec,
+    pending_prefill: FloatGaugeVec,
+    decoding: FloatGaugeVec,
+    healthy: FloatGaugeVec,
+    ejected: FloatGaugeVec,
+    in_flight_seconds: FloatCounterVec,
+    ejections: FloatCounterVec,
+    kv_usage: FloatGaugeVec,
+    running: FloatGaugeVec,
+    waiting: FloatGaugeVec,
+    preemptions: FloatCounterVec,
+    prefix_queries: FloatCounterVec,
+    prefix_hits: FloatCounterVec,
+    prefix_hit_ratio: FloatGaugeVec,
+}
+
+/// Running totals already exported per replica, so counters advance by differences.
+#[derive(Debug, Clone, Default)]
+struct BackendTotals {
+    in_flight_seconds: f64,
+    ejections: f64,
+    engine: EngineGauges,
+}
+
+fn counter(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
+}
+
+fn fgauge(name: &str, help: &str) -> FloatGaugeVec {
+    FloatGaugeVec::new(Opts::new(name, help), &["backend"]).expect("valid metric")
+}
+
+fn fcounter(name: &str, help: &str) -> FloatCounterVec {
+    FloatCounterVec::new(Opts::new(name, help), &["backend"]).expect("valid metric")
+}
+
+fn latency(name: &str, help: &str, labels: &[&str]) -> HistogramVec {
+    HistogramVec::new(
+        HistogramOpts::new(name, help).buckets(LATENCY_BUCKETS.to_vec()),
+        labels,
+    )
+    .expect("valid metric")
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}
+
+impl Metrics {
+    /// A registry with every metric registered.
+    pub fn new() -> Self {
+        let m = Self {
+            registry: Registry::new(),
+            requests: counter(
+                "headroom_requests_total",
+                "Requests answered, by route, backend and status.",
+                &["route", "backend", "status"],
+            ),
+            proxy_errors: counter(
+                "headroom_proxy_errors_total",
+                "Requests the proxy answered itself, by reason.",
+                &["reason"],
+            ),
+            retries: counter(
+                "headroom_upstream_retries_total",
+                "Attempts retried on another replica before any response byte reached the client.",
+                &["reason"],
+            ),
+            uninspectable: IntCounter::new(
+                "headroom_uninspectable_requests_total",
+                "Generation requests whose body could not be inspected; routed without prefix information and left to the engine to judge.",
+            )
+            .expect("valid metric"),
+            routed: counter(
+                "headroom_route_decisions_total",
+                "Routing decisions, by policy and backend.",
+                &["policy", "backend"],
+            ),
+            routed_prompt_tokens: IntCounter::new(
+                "headroom_routed_prompt_tokens_total",
+                "Prompt tokens of routed generation requests.",
+            )
+            .expect("valid metric"),
+            routed_matched_tokens: IntCounter::new(
+                "headroom_routed_matched_tokens_total",
+                "Prompt tokens the policy expected the chosen replica to hold in its prefix cache.",
+            )
+            .expect("valid metric"),
+            ttft: latency(
+                "headroom_request_ttft_seconds",
+                "Request arrival to the first output-bearing event.",
+                &["backend"],
+            ),
+            e2e: latency(
+                "headroom_request_e2e_seconds",
+                "Request arrival to the end of the response.",
+                &["backend"],
+            ),
+            route_seconds: Histogram::with_opts(
+                HistogramOpts::new(
+                    "headroom_route_seconds",
+                    "Time the routing policy took to pick a replica.",
+                )
+                .buckets(vec![1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2]),
+            )
+            .expect("valid metric"),
+            upstream_cut: counter(
+                "headroom_upstream_cut_total",
+                "Responses cut by the replica or the idle timeout after they started.",
+                &["backend"],
+            ),
+            client_aborts: counter(
+                "headroom_client_aborts_total",
+                "Clients that went away before their response finished (the upstream request is cancelled).",
+                &["backend"],
+            ),
+            backend: BackendGauges {
+                in_flight: fgauge(
+                    "headroom_backend_in_flight",
+                    "Requests the proxy has in flight to the replica.",
+                ),
+                pending_prefill: fgauge(
+                    "headroom_backend_pending_prefill_tokens",
+                    "Uncached prompt tokens of in-flight requests that have not produced output.",
+                ),
+                decoding: fgauge(
+                    "headroom_backend_decoding",
+                    "In-flight requests past their first output.",
+                ),
+                healthy: fgauge(
+                    "headroom_backend_healthy",
+                    "1 when active health probes pass.",
+                ),
+                ejected: fgauge(
+                    "headroom_backend_ejected",
+                    "1 while the replica is passively ejected.",
+                ),
+                in_flight_seconds: fcounter(
+                    "headroom_backend_in_flight_seconds_total",
+                    "Integral of in-flight requests over time; its rate is the mean in-flight count.",
+                ),
+                ejections: fcounter(
+                    "headroom_backend_ejections_total",
+                    "Passive ejections of the replica.",
+                ),
+                kv_usage: fgauge(
+                    "headroom_engine_kv_cache_usage_ratio",
+                    "The engine's KV cache usage, 0..1, as last scraped.",
+                ),
+                running: fgauge(
+                    "headroom_engine_requests_running",
+                    "Sequences the engine is running, as last scraped.",
+                ),
+                waiting: fgauge(
+                    "headroom_engine_requests_waiting",
+                    "Sequences waiting in the engine's own queue, as last scraped.",
+                ),
+                preemptions: fcounter(
+                    "headroom_engine_preemptions_total",
+                    "Preemptions reported by the engine.",
+                ),
+                prefix_queries: fcounter(
+                    "headroom_engine_prefix_cache_queries_tokens_total",
+                    "Prompt tokens the engine looked up in its prefix cache.",
+                ),
+                prefix_hits: fcounter(
+                    "headroom_engine_prefix_cache_hits_tokens_total",
+                    "Prompt tokens the engine found in its prefix cache.",
+                ),
+                prefix_hit_ratio: fgauge(
+                    "headroom_engine_prefix_cache_hit_ratio",
+                    "Prefix-cache hits over queries between the last two scrapes.",
+                ),
+            },
+            last: Mutex::new(Vec::new()),
+        };
+        let r = &m.registry;
+        let b = &m.backend;
+        let all: Vec<Box<dyn prometheus::core::Collector>> = vec![
+            Box::new(m.requests.clone()),
+            Box::new(m.proxy_errors.clone()),
+            Box::new(m.retries.clone()),
+            Box::new(m.uninspectable.clone()),
+            Box::new(m.routed.clone()),
+            Box::new(m.routed_prompt_tokens.clone()),
+            Box::new(m.routed_matched_tokens.clone()),
+            Box::new(m.ttft.clone()),
+            Box::new(m.e2e.clone()),
+            Box::new(m.route_seconds.clone()),
+            Box::new(m.upstream_cut.clone()),
+            Box::new(m.client_aborts.clone()),
+            Box::new(b.in_flight.clone()),
+            Box::new(b.pending_prefill.clone()),
+            Box::new(b.decoding.clone()),
+            Box::new(b.healthy.clone()),
+            Box::new(b.ejected.clone()),
+            Box::new(b.in_flight_seconds.clone()),
+            Box::new(b.ejections.clone()),
+            Box::new(b.kv_usage.clone()),
+            Box::new(b.running.clone()),
+            Box::new(b.waiting.clone()),
+            Box::new(b.preemptions.clone()),
+            Box::new(b.prefix_queries.clone()),
+            Box::new(b.prefix_hits.clone()),
+            Box::new(b.prefix_hit_ratio.clone()),
+        ];
+        for c in all {
+            r.register(c).expect("unique metric names");
+        }
+        m
+    }
+
+    /// Records a scrape of `b`'s engine: counters advance by what the engine's counters advanced
+    /// (an engine restart, where they fall, counts from zero again).
+    pub fn engine_scraped(&self, b: &Backend, g: &EngineGauges) {
+        let name = b.name.as_str();
+        let bg = &self.backend;
+        let set = |v: &FloatGaugeVec, x: Option<f64>| {
+            if let Some(x) = x {
+                v.with_label_values(&[name]).set(x);
+            }
+        };
+        set(&bg.kv_usage, g.kv_usage);
+        set(&bg.running, g.running);
+        set(&bg.waiting, g.waiting);
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.len() <= b.id {
+            last.resize(b.id + 1, BackendTotals::default());
+        }
+        let prev = &mut last[b.id].engine;
+        let advance = |v: &FloatCounterVec, now: Option<f64>, before: Option<f64>| -> f64 {
+            let Some(now) = now else { return 0.0 };
+            let d = match before {
+                Some(b) if now >= b => now - b,
+                _ => now,
+            };
+            v.with_label_values(&[name]).inc_by(d);
+            d
+        };
+        advance(&bg.preemptions, g.preemptions_total, prev.preemptions_total);
+        let dq = advance(
+            &bg.prefix_queries,
+            g.prefix_queries_total,
+            prev.prefix_queries_total,
+        );
+        let dh = advance(&bg.prefix_hits, g.prefix_hits_total, prev.prefix_hits_total);
+        if dq > 0.0 {
+            bg.prefix_hit_ratio.with_label_values(&[name]).set(dh / dq);
+        }
+        *prev = g.clone();
+    }
+
+    /// Reads the fleet's per-replica state into the gauges.
+    pub fn refresh(&self, fleet: &Fleet) {
+        let bg = &self.backend;
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        if last.len() < fleet.backends.len() {
+            last.resize(fleet.backends.len(), BackendTotals::default());
+        }
+        for b in &fleet.backends {
+            let name = [b.name.as_str()];
+            let l = b.load();
+            bg.in_flight
+                .with_label_values(&name)
+                .set(f64::from(l.in_flight));
+            bg.pending_prefill
+                .with_label_values(&name)
+                .set(l.pending_prefill_tokens as f64);
+            bg.decoding
+                .with_label_values(&name)
+                .set(f64::from(l.decoding));
+            bg.healthy
+                .with_label_values(&name)
+                .set(f64::from(u8::from(b.probe_healthy())));
+            bg.ejected
+                .with_label_values(&name)
+                .set(f64::from(u8::from(fleet.is_ejected(b))));
+            let t = &mut last[b.id];
+            bg.in_flight_seconds
+                .with_label_values(&name)
+                .inc_by((l.in_flight_seconds - t.in_flight_seconds).max(0.0));
+            t.in_flight_seconds = l.in_flight_seconds;
+            let ej = b.ejections.load(std::sync::atomic::Ordering::Relaxed) as f64;
+            bg.ejections
+                .with_label_values(&name)
+                .inc_by((ej - t.ejections).max(0.0));
+            t.ejections = ej;
+        }
+    }
+
+    /// The Prometheus text exposition of every metric.
+    pub fn render(&self) -> Vec<u8> {
+        let mut out = Vec::new();
+        // Encoding into a Vec cannot fail.
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
+        out
+    }
+}

@@ -1,0 +1,410 @@
+//! The fleet: each replica's address, health, ejection, the proxy's own in-flight counts (kept by
+//! guards released on Drop) and the engine gauges last scraped from it.
+//!
+//! Health has two inputs. Active probes (`health.rs`) mark a replica unhealthy after
+//! `unhealthy_after` failed probes and healthy after `healthy_after` passed ones. Passive ejection
+//! takes a replica out for `eject_ms` after `eject_after` consecutive failed requests (connect
+//! errors, resets, 5xx; a 4xx is the client's fault and never counts), unless that would eject more
+//! than `max_ejected_fraction` of the fleet. Routing sees a replica as healthy when both agree.
+
+pub mod health;
+
+use std::net::{SocketAddr, ToSocketAddrs};
+use std::sync::Arc;
+use std::sync::Mutex;
+use std::sync::atomic::{AtomicBool, AtomicU32, AtomicU64, Ordering};
+use std::time::Instant;
+
+use headroom_config::serve::{BackendConfig, HealthConfig};
+use headroom_workload::engine_metrics::EngineGauges;
+
+use crate::routing::{BackendId, BackendView};
+
+/// One replica.
+#[derive(Debug)]
+pub struct Backend {
+    /// Index in the fleet.
+    pub id: BackendId,
+    /// Name in metrics, logs and the `x-headroom-backend` header.
+    pub name: String,
+    /// Base URL, `http://host:port`.
+    pub url: String,
+    /// `host:port`, sent as the `Host` header.
+    pub authority: String,
+    /// Resolved address.
+    pub addr: SocketAddr,
+    /// Stable identity for hashing policies.
+    pub key: u64,
+    probe_healthy: AtomicBool,
+    probe_fails: AtomicU32,
+    probe_passes: AtomicU32,
+    request_fails: AtomicU32,
+    /// Milliseconds since the fleet's epoch until which the replica is ejected (0: not ejected).
+    ejected_until_ms: AtomicU64,
+    /// Times this replica was ejected.
+    pub ejections: AtomicU64,
+    load: Mutex<Load>,
+    /// The engine's own gauges, as last scraped.
+    pub engine: Mutex<Scraped>,
+    /// Model names the replica serves (`/v1/models`), once known.
+    models: Mutex<Option<Vec<String>>>,
+}
+
+/// The proxy's view of the work it sent to a replica, with the time integral of in-flight
+/// requests (so mean in-flight over any interval is a difference of two readings).
+#[derive(Debug, Clone, Copy)]
+struct Load {
+    in_flight: u32,
+    pending_prefill_tokens: u64,
+    decoding: u32,
+    since: Instant,
+    in_flight_seconds: f64,
+}
+
+/// What the last scrape of a replica found.
+#[derive(Debug, Clone, Default)]
+pub struct Scraped {
+    /// The gauges (all `None` before the first successful scrape).
+    pub gauges: EngineGauges,
+    /// When the last scrape succeeded.
+    pub at: Option<Instant>,
+}
+
+/// A snapshot of a replica's load, for metrics.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct LoadReading {
+    /// Requests in flight now.
+    pub in_flight: u32,
+    /// Uncached prompt tokens waiting for their first output.
+    pub pending_prefill_tokens: u64,
+    /// Requests past their first output.
+    pub decoding: u32,
+    /// ∫ in-flight dt since start, in request-seconds.
+    pub in_flight_seconds: f64,
+}
+
+impl Backend {
+    fn new(id: BackendId, cfg: &BackendConfig) -> Result<Self, String> {
+        let authority = cfg
+            .url
+            .trim_start_matches("http://")
+            .trim_end_matches('/')
+            .to_owned();
+        let addr = authority
+            .to_socket_addrs()
+            .map_err(|e| format!("backend {}: cannot resolve {authority}: {e}", cfg.url))?
+            .next()
+            .ok_or_else(|| format!("backend {}: {authority} has no address", cfg.url))?;
+        Ok(Self {
+            id,
+            name: cfg.display_name(),
+            url: cfg.url.trim_end_matches('/').to_owned(),
+            key: xxhash_rust::xxh3::xxh3_64(cfg.url.as_bytes()),
+            authority,
+            addr,
+            probe_healthy: AtomicBool::new(true),
+            probe_fails: AtomicU32::new(0),
+            probe_passes: AtomicU32::new(0),
+            request_fails: AtomicU32::new(0),
+            ejected_until_ms: AtomicU64::new(0),
+            ejections: AtomicU64::new(0),
+            load: Mutex::new(Load {
+                in_flight: 0,
+                pending_prefill_tokens: 0,
+                decoding: 0,
+                since: Instant::now(),
+                in_flight_seconds: 0.0,
+            }),
+            engine: Mutex::new(Scraped::default()),
+            models: Mutex::new(None),
+        })
+    }
+
+    fn with_load<R>(&self, f: impl FnOnce(&mut Load) -> R) -> R {
+        let mut l = self.load.lock().unwrap_or_else(|e| e.into_inner());
+        let now = Instant::now();
+        l.in_flight_seconds += f64::from(l.in_flight) * (now - l.since).as_secs_f64();
+        l.since = now;
+        f(&mut l)
+    }
+
+    /// The replica's load now.
+    pub fn load(&self) -> LoadReading {
+        self.with_load(|l| LoadReading {
+            in_flight: l.in_flight,
+            pending_prefill_tokens: l.pending_prefill_tokens,
+            decoding: l.decoding,
+            in_flight_seconds: l.in_flight_seconds,
+        })
+    }
+
+    /// Records the models the replica serves.
+    pub fn set_models(&self, models: Vec<String>) {
+        *self.models.lock().unwrap_or_else(|e| e.into_inner()) = Some(models);
+    }
+
+    /// Whether the replica serves `model`: `None` while its list is unknown.
+    pub fn serves(&self, model: &str) -> Option<bool> {
+        let models = self.models.lock().unwrap_or_else(|e| e.into_inner());
+        models.as_ref().map(|m| m.iter().any(|x| x == model))
+    }
+
+    /// Whether active probes currently pass.
+    pub fn probe_healthy(&self) -> bool {
+        self.probe_healthy.load(Ordering::Relaxed)
+    }
+}
+
+/// In-flight accounting for one request on one replica; Drop takes it back whatever way the
+/// request ends.
+#[derive(Debug)]
+pub struct InFlight {
+    backend: Arc<Backend>,
+    pending_prefill_tokens: u64,
+    decoding: bool,
+}
+
+impl InFlight {
+    /// Counts a request bringing `uncached_prefill_tokens` of prefill to `backend`.
+    pub fn new(backend: Arc<Backend>, uncached_prefill_tokens: u64) -> Self {
+        backend.with_load(|l| {
+            l.in_flight += 1;
+            l.pending_prefill_tokens += uncached_prefill_tokens;
+        });
+        Self {
+            backend,
+            pending_prefill_tokens: uncached_prefill_tokens,
+            decoding: false,
+        }
+    }
+
+    /// The request produced its first output: its prefill is done, it now decodes.
+    pub fn first_output(&mut self) {
+        if self.decoding {
+            return;
+        }
+        let pending = std::mem::take(&mut self.pending_prefill_tokens);
+        self.backend.with_load(|l| {
+            l.pending_prefill_tokens -= pending;
+            l.decoding += 1;
+        });
+        self.decoding = true;
+    }
+
+    /// The replica.
+    pub fn backend(&self) -> &Arc<Backend> {
+        &self.backend
+    }
+}
+
+impl Drop for InFlight {
+    fn drop(&mut self) {
+        let (pending, decoding) = (self.pending_prefill_tokens, self.decoding);
+        self.backend.with_load(|l| {
+            l.in_flight -= 1;
+            l.pending_prefill_tokens -= pending;
+            l.decoding -= u32::from(decoding);
+        });
+    }
+}
+
+/// The replicas and their shared health settings.
+#[derive(Debug)]
+pub struct Fleet {
+    /// The replicas, indexed by [`BackendId`].
+    pub backends: Vec<Arc<Backend>>,
+    health: HealthConfig,
+    epoch: Instant,
+}
+
+impl Fleet {
+    /// Resolves every backend; fails naming the first that cannot be resolved.
+    pub fn new(backends: &[BackendConfig], health: HealthConfig) -> Result<Self, String> {
+        let backends = backends
+            .iter()
+            .enumerate()
+            .map(|(i, b)| Backend::new(i, b).map(Arc::new))
+            .collect::<Result<_, _>>()?;
+        Ok(Self {
+            backends,
+            health,
+            epoch: Instant::now(),
+        })
+    }
+
+    fn now_ms(&self) -> u64 {
+        self.epoch.elapsed().as_millis() as u64 + 1
+    }
+
+    /// Whether `b` is ejected now.
+    pub fn is_ejected(&self, b: &Backend) -> bool {
+        b.ejected_until_ms.load(Ordering::Relaxed) > self.now_ms()
+    }
+
+    /// Whether routing may send to `b`.
+    pub fn is_available(&self, b: &Backend) -> bool {
+        b.probe_healthy() && !self.is_ejected(b)
+    }
+
+    /// The routing snapshot, taken at dispatch time.
+    pub fn views(&self) -> Vec<BackendView> {
+        self.backends
+            .iter()
+            .map(|b| {
+                let l = b.load();
+                BackendView {
+                    id: b.id,
+                    key: b.key,
+                    healthy: self.is_available(b),
+                    in_flight: l.in_flight,
+                    pending_prefill_tokens: l.pending_prefill_tokens,
+                    decoding: l.decoding,
+                }
+            })
+            .collect()
+    }
+
+    /// Whether any replica can take requests.
+    pub fn any_available(&self) -> bool {
+        self.backends.iter().any(|b| self.is_available(b))
+    }
+
+    /// A request to `b` succeeded (any status below 500).
+    pub fn request_succeeded(&self, b: &Backend) {
+        b.request_fails.store(0, Ordering::Relaxed);
+    }
+
+    /// A request to `b` failed on the replica's side; returns whether it was ejected.
+    pub fn request_failed(&self, b: &Backend) -> bool {
+        let fails = b.request_fails.fetch_add(1, Ordering::Relaxed) + 1;
+        if fails < self.health.eject_after || self.is_ejected(b) {
+            return false;
+        }
+        let ejected = self.backends.iter().filter(|o| self.is_ejected(o)).count();
+        let cap = (self.backends.len() as f64 * self.health.max_ejected_fraction).floor() as usize;
+        if ejected + 1 > cap {
+            return false;
+        }
+        b.ejected_until_ms
+            .store(self.now_ms() + self.health.eject_ms, Ordering::Relaxed);
+        b.request_fails.store(0, Ordering::Relaxed);
+        b.ejections.fetch_add(1, Ordering::Relaxed);
+        true
+    }
+
+    /// Records one active probe of `b`.
+    pub fn probe_result(&self, b: &Backend, passed: bool) {
+        if passed {
+            b.probe_fails.store(0, Ordering::Relaxed);
+            let passes = b.probe_passes.fetch_add(1, Ordering::Relaxed) + 1;
+            if passes >= self.health.healthy_after {
+                b.probe_healthy.store(true, Ordering::Relaxed);
+            }
+        } else {
+            b.probe_passes.store(0, Ordering::Relaxed);
+            let fails = b.probe_fails.fetch_add(1, Ordering::Relaxed) + 1;
+            if fails >= self.health.unhealthy_after {
+                b.probe_healthy.store(false, Ordering::Relaxed);
+            }
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn fleet(n: usize, health: HealthConfig) -> Fleet {
+        let cfgs: Vec<BackendConfig> = (0..n)
+            .map(|i| BackendConfig {
+                url: format!("http://127.0.0.1:{}", 9000 + i),
+                name: None,
+            })
+            .collect();
+        Fleet::new(&cfgs, health).unwrap()
+    }
+
+    #[test]
+    fn in_flight_guards_return_everything_on_drop() {
+        let f = fleet(1, HealthConfig::default());
+        let b = f.backends[0].clone();
+        let mut a = InFlight::new(b.clone(), 100);
+        let c = InFlight::new(b.clone(), 50);
+        assert_eq!(
+            (b.load().in_flight, b.load().pending_prefill_tokens),
+            (2, 150)
+        );
+        a.first_output();
+        a.first_output();
+        let l = b.load();
+        assert_eq!(
+            (l.in_flight, l.pending_prefill_tokens, l.decoding),
+            (2, 50, 1)
+        );
+        drop(c);
+        drop(a);
+        let l = b.load();
+        assert_eq!(
+            (l.in_flight, l.pending_prefill_tokens, l.decoding),
+            (0, 0, 0)
+        );
+        assert!(l.in_flight_seconds >= 0.0);
+    }
+
+    #[test]
+    fn ejection_after_consecutive_failures_and_capped() {
+        let f = fleet(
+            4,
+            HealthConfig {
+                eject_after: 2,
+                max_ejected_fraction: 0.5,
+                ..HealthConfig::default()
+            },
+        );
+        let [a, b, c, _] = [0, 1, 2, 3].map(|i| f.backends[i].clone());
+        assert!(!f.request_failed(&a));
+        f.request_succeeded(&a);
+        assert!(!f.request_failed(&a), "a success resets the count");
+        assert!(f.request_failed(&a));
+        assert!(f.is_ejected(&a) && !f.is_available(&a));
+        assert!(!f.request_failed(&b) && f.request_failed(&b));
+        // Two of four are out: a third would exceed the cap.
+        assert!(!f.request_failed(&c) && !f.request_failed(&c));
+        assert!(f.is_available(&c));
+        assert_eq!(f.views().iter().filter(|v| v.healthy).count(), 2);
+    }
+
+    #[test]
+    fn probes_flip_health_after_their_thresholds() {
+        let f = fleet(
+            1,
+            HealthConfig {
+                unhealthy_after: 2,
+                healthy_after: 2,
+                ..HealthConfig::default()
+            },
+        );
+        let b = f.backends[0].clone();
+        f.probe_result(&b, false);
+        assert!(b.probe_healthy());
+        f.probe_result(&b, false);
+        assert!(!b.probe_healthy() && !f.any_available());
+        f.probe_result(&b, true);
+        assert!(!b.probe_healthy());
+        f.probe_result(&b, true);
+        assert!(b.probe_healthy());
+    }
+
+    #[test]
+    fn unresolvable_backends_are_named() {
+        let err = Fleet::new(
+            &[BackendConfig {
+                url: "http://no-such-host.invalid:1".into(),
+                name: None,
+            }],
+            HealthConfig::default(),
+        )
+        .unwrap_err();
+        assert!(err.contains("no-such-host.invalid"), "{err}");
+    }
+}

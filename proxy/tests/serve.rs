@@ -1,0 +1,429 @@
+//! `headroom serve` end to end, in-process: simulated replicas on port 0, the proxy on port 0, and
+//! real HTTP clients. Streaming, prefix affinity, cancellation on disconnect, failed replicas
+//! avoided, faults mid-stream, unknown routes refused, large bodies, merged model lists.
+
+use std::time::Duration;
+
+use futures_util::StreamExt;
+use headroom_config::serve::ServeConfig;
+use headroom_proxy::ServeHandle;
+use headroom_sim::{RunningReplica, SimArgs, start_replica};
+use headroom_workload::engine_metrics::EngineGauges;
+use serde_json::{Value, json};
+
+const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
+
+async fn sim(extra: &[&str]) -> RunningReplica {
+    let mut flags = vec![
+        "--latency-model",
+        "constant",
+        "--time-to-first-token",
+        "2",
+        "--inter-token-latency",
+        "1",
+        "--max-model-len",
+        "200000",
+    ];
+    flags.extend_from_slice(extra);
+    let args = SimArgs::from_flags(flags).unwrap();
+    start_replica(
+        args.build_replica(0).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
+async fn proxy(urls: &[String], policy: &str, tweak: impl FnOnce(&mut ServeConfig)) -> ServeHandle {
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", urls, policy);
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.health.interval_ms = 200;
+    cfg.scrape.interval_ms = 200;
+    tweak(&mut cfg);
+    headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap()
+}
+
+fn client() -> reqwest::Client {
+    reqwest::Client::new()
+}
+
+fn chat(system: &str, user: &str, max_tokens: u32, stream: bool) -> Value {
+    json!({
+        "model": MODEL,
+        "messages": [{"role": "system", "content": system}, {"role": "user", "content": user}],
+        "max_tokens": max_tokens,
+        "ignore_eos": true,
+        "stream": stream,
+    })
+}
+
+fn words(n: usize, salt: &str) -> String {
+    (0..n).map(|i| format!(" {salt}{}", i % 101)).collect()
+}
+
+async fn engine(url: &str) -> EngineGauges {
+    let text = client()
+        .get(format!("{url}/metrics"))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    EngineGauges::parse(&text)
+}
+
+/// Polls `cond` every 20 ms for up to 10 s; the state it waits for is reached asynchronously by
+/// another process-like component (a replica noticing a closed connection), which offers no event.
+async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..500 {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn streams_relay_every_event_and_measure() {
+    let r = sim(&[]).await;
+    let p = proxy(&[r.url()], "round_robin", |_| {}).await;
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    let resp = client()
+        .post(&url)
+        .json(&chat("You are terse.", "hello", 20, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    assert_eq!(
+        resp.headers()["content-type"].to_str().unwrap(),
+        "text/event-stream; charset=utf-8"
+    );
+    assert!(resp.headers().contains_key("x-headroom-backend"));
+    let mut body = Vec::new();
+    let mut chunks = 0;
+    let mut stream = resp.bytes_stream();
+    while let Some(c) = stream.next().await {
+        body.extend_from_slice(&c.unwrap());
+        chunks += 1;
+    }
+    let text = String::from_utf8(body).unwrap();
+    let events: Vec<&str> = text.split("\n\n").filter(|e| !e.is_empty()).collect();
+    // A role chunk, 20 tokens, [DONE]; relayed as they came, not as one buffer.
+    assert_eq!(events.len(), 22, "{text}");
+    assert_eq!(*events.last().unwrap(), "data: [DONE]");
+    assert!(chunks > 5, "stream arrived in {chunks} chunk(s)");
+
+    // The load tester's client sees the same stream through the proxy.
+    let body = bytes::Bytes::from(serde_json::to_vec(&chat("s", "u", 8, true)).unwrap());
+    let t = headroom_loadtest::client::send_streaming_with(&client(), &url, body, &[]).await;
+    assert!(t.ok(), "{:?}", t.failure);
+    assert!(t.ttft.is_some());
+
+    let metrics = client()
+        .get(format!("http://{}/metrics", p.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(
+        metrics.contains("headroom_request_ttft_seconds_count{backend="),
+        "{metrics}"
+    );
+    assert!(metrics.contains("route=\"chat\""), "{metrics}");
+    let l = p.fleet.backends[0].load();
+    assert_eq!(
+        (l.in_flight, l.pending_prefill_tokens, l.decoding),
+        (0, 0, 0)
+    );
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_affinity_keeps_a_shared_prompt_on_one_replica() {
+    let replicas = [sim(&[]).await, sim(&[]).await, sim(&[]).await];
+    let urls: Vec<String> = replicas.iter().map(RunningReplica::url).collect();
+    let p = proxy(&urls, "prefix_affinity", |_| {}).await;
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    let mut homes = std::collections::HashMap::<String, Vec<String>>::new();
+    for tenant in ["a", "b", "c", "d", "e", "f"] {
+        let system = words(600, tenant);
+        for turn in 0..4 {
+            // Sequential requests: each finds the fleet idle, so only the prefix decides.
+            let resp = client()
+                .post(&url)
+                .json(&chat(&system, &format!("question {turn}"), 2, false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            let backend = resp.headers()["x-headroom-backend"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            homes.entry(tenant.into()).or_default().push(backend);
+            resp.bytes().await.unwrap();
+        }
+    }
+    for (tenant, picks) in &homes {
+        assert!(
+            picks.iter().all(|b| b == &picks[0]),
+            "tenant {tenant} moved: {picks:?}"
+        );
+    }
+    let used: std::collections::HashSet<_> = homes.values().map(|v| v[0].clone()).collect();
+    assert!(used.len() >= 2, "cold prompts did not spread: {used:?}");
+    // The replicas confirm it: every repeat found its prefix cached.
+    let mut hits = 0.0;
+    let mut queries = 0.0;
+    for u in &urls {
+        let g = engine(u).await;
+        hits += g.prefix_hits_total.unwrap();
+        queries += g.prefix_queries_total.unwrap();
+    }
+    assert!(hits / queries > 0.7, "hit rate {}", hits / queries);
+    p.shutdown().await;
+    for r in replicas {
+        r.shutdown().await.unwrap();
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn client_disconnect_cancels_the_upstream_request() {
+    let r = sim(&["--inter-token-latency", "20"]).await;
+    let p = proxy(&[r.url()], "least_load", |_| {}).await;
+    let resp = client()
+        .post(format!("http://{}/v1/completions", p.addr))
+        .json(
+            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
+            "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    assert_eq!(engine(&r.url()).await.running, Some(1.0));
+    drop(stream);
+    let url = r.url();
+    eventually("the replica to drop the request", || {
+        let url = url.clone();
+        async move { engine(&url).await.running == Some(0.0) }
+    })
+    .await;
+    let fleet = p.fleet.clone();
+    eventually("the proxy's in-flight count to return to 0", || {
+        let fleet = fleet.clone();
+        async move { fleet.backends[0].load().in_flight == 0 }
+    })
+    .await;
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_or_failing_replica_is_avoided() {
+    let live = sim(&[]).await;
+    // A port nobody listens on: connections are refused.
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let p = proxy(&[dead, live.url()], "round_robin", |c| {
+        c.health.interval_ms = 60_000; // passive ejection alone must do it
+        c.health.eject_after = 2;
+        c.health.max_ejected_fraction = 0.5;
+    })
+    .await;
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    for i in 0..10 {
+        let resp = client()
+            .post(&url)
+            .json(&chat("s", &format!("q{i}"), 3, true))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200, "request {i}");
+        assert_eq!(
+            resp.headers()["x-headroom-backend"].to_str().unwrap(),
+            p.fleet.backends[1].name
+        );
+        resp.bytes().await.unwrap();
+    }
+    assert!(p.fleet.is_ejected(&p.fleet.backends[0]));
+    assert_eq!(
+        p.fleet.backends[0]
+            .ejections
+            .load(std::sync::atomic::Ordering::Relaxed),
+        1
+    );
+
+    // A replica answering 503 is retried elsewhere; a 400 is the client's and is passed on.
+    let resp = client()
+        .post(&url)
+        .header("x-headroom-fault", "error=400")
+        .json(&chat("s", "q", 3, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 400);
+    assert!(!p.fleet.is_ejected(&p.fleet.backends[1]));
+    p.shutdown().await;
+    live.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
+    let a = sim(&["--failure-injection-rate", "100", "--failure-status", "503"]).await;
+    let b = sim(&[]).await;
+    let p = proxy(&[a.url(), b.url()], "round_robin", |c| {
+        c.health.eject_after = 100
+    })
+    .await;
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    for i in 0..4 {
+        let resp = client()
+            .post(&url)
+            .json(&chat("s", &format!("q{i}"), 2, false))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.unwrap();
+    }
+    // The replica cuts the stream after 3 tokens: the client gets an error event, never [DONE].
+    let resp = client()
+        .post(&url)
+        .header("x-headroom-fault", "drop-after=3")
+        .json(&chat("s", "q", 50, true))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let text = resp.text().await.unwrap();
+    assert!(text.contains("\"error\""), "{text}");
+    assert!(text.contains("closed the stream"), "{text}");
+    assert!(!text.contains("[DONE]"), "{text}");
+    // The replica never answers: the first-byte timeout turns it into a 504.
+    let p2 = proxy(&[b.url()], "round_robin", |c| {
+        c.timeouts.first_byte_ms = 300
+    })
+    .await;
+    let resp = client()
+        .post(format!("http://{}/v1/chat/completions", p2.addr))
+        .header("x-headroom-fault", "hang")
+        .json(&chat("s", "q", 2, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 504);
+    p2.shutdown().await;
+    p.shutdown().await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn unknown_routes_large_bodies_limits_and_models() {
+    let a = sim(&["--served-model-name", "alpha"]).await;
+    let b = sim(&["--served-model-name", "beta"]).await;
+    let p = proxy(&[a.url(), b.url()], "least_load", |c| {
+        c.limits.max_body_bytes = 1 << 20;
+    })
+    .await;
+    let base = format!("http://{}", p.addr);
+    let fleet = p.fleet.clone();
+    eventually("the replicas' model lists", || {
+        let fleet = fleet.clone();
+        async move { fleet.backends.iter().all(|b| b.serves("alpha").is_some()) }
+    })
+    .await;
+    for path in ["/v1/embeddings", "/metrics", "/reset_prefix_cache", "/"] {
+        let resp = client().post(format!("{base}{path}")).send().await.unwrap();
+        assert_eq!(resp.status(), 404, "{path}");
+        assert!(!resp.headers().contains_key("x-headroom-backend"));
+        let body: Value = resp.json().await.unwrap();
+        assert_eq!(body["error"]["type"], "NotFoundError");
+    }
+    let resp = client()
+        .get(format!("{base}/v1/chat/completions"))
+        .send()
+        .await;
+    assert_eq!(resp.unwrap().status(), 405);
+
+    let models: Value = client()
+        .get(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let mut ids: Vec<&str> = models["data"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|m| m["id"].as_str().unwrap())
+        .collect();
+    ids.sort_unstable();
+    assert_eq!(ids, ["alpha", "beta"]);
+
+    // 300 KB of prompt: far past pingora's 64 KB retry buffer, forwarded whole, and only to the
+    // replica serving its model.
+    let prompt: String = words(50_000, "w");
+    let expected = headroom_workload::Tokenizer.count(&prompt) + 1;
+    let body = json!({"model": "alpha", "prompt": prompt, "max_tokens": 1});
+    let mut served = 0;
+    for _ in 0..4 {
+        let resp = client()
+            .post(format!("{base}/v1/completions"))
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        let status = resp.status();
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(status, 200, "{v}");
+        assert_eq!(v["usage"]["prompt_tokens"], expected);
+        served += 1;
+    }
+    assert_eq!(served, 4);
+    let huge = json!({"model": "alpha", "prompt": words(300_000, "w")});
+    let resp = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&huge)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 413);
+
+    let tok: Value = client()
+        .post(format!("{base}/tokenize"))
+        .json(&json!({"prompt": "hi there"}))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(tok["count"], 3);
+    let ready = client()
+        .get(format!("http://{}/readyz", p.admin_addr))
+        .send()
+        .await;
+    assert_eq!(ready.unwrap().status(), 200);
+    p.shutdown().await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}

@@ -1,0 +1,85 @@
+//! `headroom serve`: the proxy, from a config file or from flags for the quick case.
+
+use std::path::PathBuf;
+
+use anyhow::Context;
+use clap::Args;
+use headroom_config::serve::{BackendConfig, POLICIES, ServeConfig};
+
+/// Flags of `headroom serve`.
+#[derive(Debug, Clone, Args)]
+pub struct ServeArgs {
+    /// TOML config (see config/examples/headroom.toml); the flags below override it.
+    #[arg(long, value_name = "FILE")]
+    config: Option<PathBuf>,
+    /// Address to listen on [default: 0.0.0.0:8080].
+    #[arg(long, value_name = "ADDR")]
+    listen: Option<String>,
+    /// Admin listener for /metrics, /healthz, /readyz [default: 127.0.0.1:9090].
+    #[arg(long, value_name = "ADDR")]
+    admin_listen: Option<String>,
+    /// Replica base URLs, comma-separated (replaces the config's backends).
+    #[arg(long, value_name = "URL,URL,…", value_delimiter = ',')]
+    backends: Vec<String>,
+    /// Routing policy [default: prefix_affinity].
+    #[arg(long, value_name = "NAME", value_parser = clap::builder::PossibleValuesParser::new(POLICIES))]
+    policy: Option<String>,
+}
+
+impl ServeArgs {
+    /// The config these flags describe, validated.
+    pub fn config(&self) -> anyhow::Result<ServeConfig> {
+        let mut cfg = match &self.config {
+            Some(path) => headroom_config::load_toml::<ServeConfig>(path)?,
+            None if self.backends.is_empty() => anyhow::bail!(
+                "headroom serve needs --config FILE or --backends URL,URL,… (see config/examples/headroom.toml)"
+            ),
+            None => ServeConfig::quick("0.0.0.0:8080", &self.backends, "prefix_affinity"),
+        };
+        if let Some(l) = &self.listen {
+            cfg.listen = l.clone();
+        }
+        if let Some(a) = &self.admin_listen {
+            cfg.admin_listen = a.clone();
+        }
+        if let Some(p) = &self.policy {
+            cfg.routing.policy = p.clone();
+        }
+        if !self.backends.is_empty() {
+            cfg.backends = self
+                .backends
+                .iter()
+                .map(|u| BackendConfig {
+                    url: u.clone(),
+                    name: None,
+                })
+                .collect();
+        }
+        cfg.validated().map_err(|errors| {
+            let list: Vec<String> = errors.iter().map(|e| format!("  - {e}")).collect();
+            anyhow::anyhow!("invalid serve settings:\n{}", list.join("\n"))
+        })
+    }
+}
+
+/// Runs the proxy until Ctrl-C or SIGTERM.
+pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
+    let cfg = args.config()?;
+    let (policy, n) = (cfg.routing.policy.clone(), cfg.backends.len());
+    let handle = headroom_proxy::start(cfg)
+        .await
+        .context("starting the proxy")?;
+    println!("http://{}", handle.addr);
+    eprintln!(
+        "headroom serve: listening on {} (admin http://{}), {n} backend(s), policy {policy} — Ctrl-C to stop",
+        handle.addr, handle.admin_addr
+    );
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r?,
+        _ = term.recv() => {}
+    }
+    eprintln!("headroom serve: stopping");
+    handle.shutdown().await;
+    Ok(())
+}

@@ -1,0 +1,140 @@
+//! Reading an engine's Prometheus exposition (`/metrics` of vLLM or the simulator): the gauges and
+//! counters routing and reports need, summed over engines and label sets.
+//!
+//! Both vLLM's current names and the older ones (`gpu_` prefixes) are read.
+
+/// One replica's engine state, as last scraped.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct EngineGauges {
+    /// Sequences running (`vllm:num_requests_running`).
+    pub running: Option<f64>,
+    /// Sequences waiting in the engine's queue (`vllm:num_requests_waiting`).
+    pub waiting: Option<f64>,
+    /// KV cache usage, 0..1 (`vllm:kv_cache_usage_perc`, formerly `gpu_cache_usage_perc`).
+    pub kv_usage: Option<f64>,
+    /// Preemptions since start (`vllm:num_preemptions_total`).
+    pub preemptions_total: Option<f64>,
+    /// Prefix-cache lookups since start, in tokens.
+    pub prefix_queries_total: Option<f64>,
+    /// Prefix-cache hits since start, in tokens.
+    pub prefix_hits_total: Option<f64>,
+    /// KV blocks the engine allocated (`vllm:cache_config_info{num_gpu_blocks}`).
+    pub num_gpu_blocks: Option<u64>,
+    /// Tokens per KV block (`vllm:cache_config_info{block_size}`).
+    pub block_size: Option<u64>,
+}
+
+impl EngineGauges {
+    /// Reads the gauges from an exposition; absent series stay `None`.
+    pub fn parse(text: &str) -> Self {
+        let mut g = Self::default();
+        for line in text.lines() {
+            let Some((name, labels, value)) = sample(line) else {
+                continue;
+            };
+            let slot = match name {
+                "vllm:num_requests_running" => &mut g.running,
+                "vllm:num_requests_waiting" => &mut g.waiting,
+                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut g.kv_usage,
+                "vllm:num_preemptions_total" => &mut g.preemptions_total,
+                "vllm:prefix_cache_queries_total" | "vllm:gpu_prefix_cache_queries_total" => {
+                    &mut g.prefix_queries_total
+                }
+                "vllm:prefix_cache_hits_total" | "vllm:gpu_prefix_cache_hits_total" => {
+                    &mut g.prefix_hits_total
+                }
+                "vllm:cache_config_info" => {
+                    g.num_gpu_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+                    g.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
+                    continue;
+                }
+                _ => continue,
+            };
+            *slot = Some(slot.unwrap_or(0.0) + value);
+        }
+        g
+    }
+
+    /// KV capacity in tokens (one block is the engine's null block and never holds data).
+    pub fn kv_capacity_tokens(&self) -> Option<u64> {
+        Some(self.num_gpu_blocks?.saturating_sub(1) * self.block_size?)
+    }
+}
+
+/// Prefix-cache counters (queries, hits) of an exposition, when present.
+pub fn prefix_counters(text: &str) -> Option<(f64, f64)> {
+    let g = EngineGauges::parse(text);
+    Some((g.prefix_queries_total?, g.prefix_hits_total?))
+}
+
+/// Splits one sample line into name, label text (without braces) and value. Comments, blank lines
+/// and unparsable values give `None`.
+fn sample(line: &str) -> Option<(&str, &str, f64)> {
+    let line = line.trim();
+    if line.is_empty() || line.starts_with('#') {
+        return None;
+    }
+    let (name, labels, rest) = match line.find(['{', ' ']) {
+        Some(i) if line.as_bytes()[i] == b'{' => {
+            let close = line[i..].rfind('}')? + i;
+            (&line[..i], &line[i + 1..close], &line[close + 1..])
+        }
+        Some(i) => (&line[..i], "", &line[i..]),
+        None => return None,
+    };
+    // The value, then an optional timestamp.
+    let value = rest.split_whitespace().next()?.parse().ok()?;
+    Some((name, labels, value))
+}
+
+/// The value of label `name` in a label text such as `a="1",b="x"`.
+fn label<'a>(labels: &'a str, name: &str) -> Option<&'a str> {
+    let mut rest = labels;
+    loop {
+        let eq = rest.find("=\"")?;
+        let key = rest[..eq].trim_start_matches([',', ' ']);
+        let after = &rest[eq + 2..];
+        let end = after.find('"')?;
+        if key == name {
+            return Some(&after[..end]);
+        }
+        rest = &after[end + 1..];
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    const TEXT: &str = r#"# HELP vllm:num_requests_running Number of requests in model execution batches.
+# TYPE vllm:num_requests_running gauge
+vllm:num_requests_running{engine="0",model_name="m"} 3.0
+vllm:num_requests_running{engine="1",model_name="m"} 2.0
+vllm:num_requests_waiting{engine="0",model_name="m"} 7
+vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:num_preemptions_total{engine="0",model_name="m"} 4 1700000000000
+vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000
+vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250
+vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="101"} 1.0
+vllm:num_requests_running_total_bogus 9
+"#;
+
+    #[test]
+    fn reads_vllm_gauges_summed_over_engines() {
+        let g = EngineGauges::parse(TEXT);
+        assert_eq!(g.running, Some(5.0));
+        assert_eq!(g.waiting, Some(7.0));
+        assert_eq!(g.kv_usage, Some(0.25));
+        assert_eq!(g.preemptions_total, Some(4.0));
+        assert_eq!((g.num_gpu_blocks, g.block_size), (Some(101), Some(16)));
+        assert_eq!(g.kv_capacity_tokens(), Some(1600));
+        assert_eq!(prefix_counters(TEXT), Some((1000.0, 250.0)));
+    }
+
+    #[test]
+    fn absent_or_garbled_series_stay_unknown() {
+        let g = EngineGauges::parse("vllm:num_requests_running{engine=\"0\"} NaNx\ngarbage{\n");
+        assert_eq!(g, EngineGauges::default());
+        assert_eq!(prefix_counters(""), None);
+    }
+}

@@ -1,0 +1,367 @@
+//! Request inspection for routing: what an OpenAI-compatible request body asks for, and the chain of
+//! prefix-block hashes of the prompt it renders to.
+//!
+//! ```text
+//! prompt  = render_chat(messages)  (every message, in order, Llama-3 template)   chat
+//!         | <|begin_of_text|> + prompt text  | prompt token ids                  completions
+//! tokens  = Tokenizer(prompt[..cut])          cut = max_hashed_tokens × MAX_BYTES_PER_TOKEN bytes
+//! seed    = xxh3(model, hash_seed)
+//! extra   = cache_salt (LoRA adapters are served under their own model name, so the model covers them)
+//! blocks  = BlockHasher(block_tokens, seed).hash_all(tokens[..min(n, max_hashed_tokens)], extra)
+//! prompt_tokens = n                          when the whole prompt was tokenized
+//!               = n_cut × len(prompt) / cut  otherwise (the prefix's own bytes-per-token ratio)
+//! ```
+//!
+//! | parameter | meaning | default |
+//! |---|---|---|
+//! | `block_tokens` | tokens per prefix block (vLLM's `--block-size`) | 16 |
+//! | `max_hashed_tokens` | how much of a huge prompt is hashed; the rest only counted | 32768 |
+//! | `hash_seed` | mixes into every chain, so unrelated deployments never share hashes | 0 |
+//!
+//! The token count is exact on headroom's simulator and an estimate for real engines, whose
+//! tokenizers differ; routing only needs it in the right proportion.
+
+use serde::Deserialize;
+use xxhash_rust::xxh3::xxh3_64_with_seed;
+
+use crate::blocks::{BlockHash, BlockHasher};
+use crate::openai::{ChatMessage, GenerationParams, Prompt, render_chat};
+use crate::tokenizer::Tokenizer;
+
+/// Token id of `<|begin_of_text|>`, which engines prepend to a completion prompt.
+pub const BOS: u32 = 128_000;
+/// The most bytes one token of the headroom tokenizer can span (a space and 8 four-byte chars),
+/// so a cut this many bytes per token long holds at least the wanted tokens.
+pub const MAX_BYTES_PER_TOKEN: usize = 33;
+
+/// The two generation endpoints.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Endpoint {
+    /// `/v1/chat/completions`
+    Chat,
+    /// `/v1/completions`
+    Completions,
+}
+
+impl Endpoint {
+    /// The endpoint served at `path`, if any.
+    pub fn from_path(path: &str) -> Option<Self> {
+        match path {
+            "/v1/chat/completions" => Some(Self::Chat),
+            "/v1/completions" => Some(Self::Completions),
+            _ => None,
+        }
+    }
+}
+
+/// How prompts are hashed into blocks.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct InspectConfig {
+    /// Tokens per block.
+    pub block_tokens: u32,
+    /// Prompt tokens hashed at most.
+    pub max_hashed_tokens: u32,
+    /// Seed mixed into every chain.
+    pub hash_seed: u64,
+}
+
+impl Default for InspectConfig {
+    fn default() -> Self {
+        Self {
+            block_tokens: 16,
+            max_hashed_tokens: 32_768,
+            hash_seed: 0,
+        }
+    }
+}
+
+/// What routing and measurement need to know about one request.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Inspected {
+    /// The endpoint.
+    pub endpoint: Endpoint,
+    /// The `model` field.
+    pub model: Option<String>,
+    /// Whether the response is streamed.
+    pub stream: bool,
+    /// Whether the client asked for a usage chunk (`stream_options.include_usage`).
+    pub include_usage: bool,
+    /// `max_completion_tokens`, else `max_tokens`.
+    pub max_tokens: Option<i64>,
+    /// Prompt tokens (exact when `hashed_tokens` covers the prompt, else estimated).
+    pub prompt_tokens: u32,
+    /// Tokens that went into `blocks` (a multiple of the block size at most).
+    pub hashed_tokens: u32,
+    /// Chained hashes of the prompt's full blocks, from the start, up to the cap.
+    pub blocks: Vec<BlockHash>,
+    /// Temperature 0 or a fixed seed: the output is reproducible.
+    pub deterministic: bool,
+}
+
+/// Why a body could not be inspected. The message is safe to show the client (no prompt text).
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+pub enum InspectError {
+    /// Not JSON, or not the endpoint's schema.
+    #[error("invalid request body: {0}")]
+    Body(String),
+    /// The request has no prompt to generate from.
+    #[error("the request has no prompt")]
+    EmptyPrompt,
+}
+
+#[derive(Deserialize)]
+struct ChatBody {
+    messages: Vec<ChatMessage>,
+    #[serde(flatten)]
+    params: GenerationParams,
+}
+
+#[derive(Deserialize)]
+struct CompletionBody {
+    prompt: Prompt,
+    #[serde(flatten)]
+    params: GenerationParams,
+}
+
+enum Rendered {
+    Text(String),
+    Tokens(Vec<u32>),
+}
+
+/// Inspects a request body sent to `endpoint`.
+pub fn inspect(
+    endpoint: Endpoint,
+    body: &[u8],
+    cfg: &InspectConfig,
+) -> Result<Inspected, InspectError> {
+    let bad = |e: serde_json::Error| InspectError::Body(e.to_string());
+    let (rendered, params, extra_prompt_tokens) = match endpoint {
+        Endpoint::Chat => {
+            let b: ChatBody = serde_json::from_slice(body).map_err(bad)?;
+            if b.messages.is_empty() {
+                return Err(InspectError::EmptyPrompt);
+            }
+            (Rendered::Text(render_chat(&b.messages)), b.params, 0)
+        }
+        Endpoint::Completions => {
+            let b: CompletionBody = serde_json::from_slice(body).map_err(bad)?;
+            // A batch is routed by its first prompt; the others still count as work.
+            let (first, rest) = match b.prompt {
+                Prompt::Text(t) => (Rendered::Text(t), 0),
+                Prompt::Tokens(ids) => (Rendered::Tokens(ids), 0),
+                Prompt::TextBatch(mut v) if !v.is_empty() => {
+                    let rest: usize = v[1..].iter().map(|t| Tokenizer.count(t) + 1).sum();
+                    (Rendered::Text(v.swap_remove(0)), rest)
+                }
+                Prompt::TokensBatch(mut v) if !v.is_empty() => {
+                    let rest: usize = v[1..].iter().map(Vec::len).sum();
+                    (Rendered::Tokens(v.swap_remove(0)), rest)
+                }
+                _ => return Err(InspectError::EmptyPrompt),
+            };
+            let first = match first {
+                Rendered::Text(t) if t.is_empty() => return Err(InspectError::EmptyPrompt),
+                Rendered::Text(t) => Rendered::Text(format!("<|begin_of_text|>{t}")),
+                Rendered::Tokens(ids) if ids.is_empty() => return Err(InspectError::EmptyPrompt),
+                tokens => tokens,
+            };
+            (first, b.params, rest)
+        }
+    };
+
+    let max = cfg.max_hashed_tokens as usize;
+    let (tokens, prompt_tokens) = match rendered {
+        Rendered::Tokens(mut ids) => {
+            let n = ids.len();
+            ids.truncate(max);
+            (ids, n)
+        }
+        Rendered::Text(text) => tokens_of(&text, max),
+    };
+    let seed = xxh3_64_with_seed(
+        params.model.as_deref().unwrap_or("").as_bytes(),
+        cfg.hash_seed,
+    );
+    let hasher = BlockHasher::new(cfg.block_tokens.max(1) as usize, seed);
+    let extra = params.cache_salt.as_deref().unwrap_or("").as_bytes();
+    let blocks = hasher.hash_all(&tokens, extra);
+    let hashed_tokens = (blocks.len() * hasher.block_size()) as u32;
+    Ok(Inspected {
+        endpoint,
+        stream: params.stream,
+        include_usage: params.include_usage(),
+        max_tokens: params.requested_max_tokens(),
+        deterministic: params.temperature == Some(0.0) || params.seed.is_some(),
+        model: params.model,
+        prompt_tokens: (prompt_tokens + extra_prompt_tokens).min(u32::MAX as usize) as u32,
+        hashed_tokens,
+        blocks,
+    })
+}
+
+/// The first `max` tokens of `text` and the whole text's token count (estimated beyond the cut).
+fn tokens_of(text: &str, max: usize) -> (Vec<u32>, usize) {
+    let cut_bytes = max.saturating_mul(MAX_BYTES_PER_TOKEN);
+    if text.len() <= cut_bytes {
+        let ids = Tokenizer.encode(text);
+        let n = ids.len();
+        let mut ids = ids;
+        ids.truncate(max);
+        return (ids, n);
+    }
+    let mut cut = cut_bytes;
+    while !text.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    let mut ids = Tokenizer.encode(&text[..cut]);
+    // The last piece may be a word or space run split by the cut.
+    ids.pop();
+    let estimate = (ids.len() as f64 * text.len() as f64 / cut as f64).ceil() as usize;
+    ids.truncate(max);
+    (ids, estimate)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn cfg() -> InspectConfig {
+        InspectConfig::default()
+    }
+
+    fn chat(model: &str, msgs: &[(&str, &str)]) -> Vec<u8> {
+        let messages: Vec<_> = msgs
+            .iter()
+            .map(|(r, c)| serde_json::json!({"role": r, "content": c}))
+            .collect();
+        serde_json::to_vec(&serde_json::json!({"model": model, "messages": messages})).unwrap()
+    }
+
+    fn words(n: usize, salt: &str) -> String {
+        (0..n).map(|i| format!(" w{salt}{}", i % 97)).collect()
+    }
+
+    #[test]
+    fn chat_counts_tokens_exactly_as_the_simulator_renders_them() {
+        let body = chat("m", &[("system", "You are helpful."), ("user", "Hi there")]);
+        let got = inspect(Endpoint::Chat, &body, &cfg()).unwrap();
+        let want = Tokenizer.count(&render_chat(&[
+            serde_json::from_value(
+                serde_json::json!({"role":"system","content":"You are helpful."}),
+            )
+            .unwrap(),
+            serde_json::from_value(serde_json::json!({"role":"user","content":"Hi there"}))
+                .unwrap(),
+        ]));
+        assert_eq!(got.prompt_tokens as usize, want);
+        assert_eq!(got.model.as_deref(), Some("m"));
+        assert!(!got.stream);
+    }
+
+    #[test]
+    fn shared_system_prompt_shares_leading_blocks_and_the_last_message_matters() {
+        let sys = words(200, "s");
+        let a = inspect(
+            Endpoint::Chat,
+            &chat("m", &[("system", &sys), ("user", "a")]),
+            &cfg(),
+        );
+        let b = inspect(
+            Endpoint::Chat,
+            &chat("m", &[("system", &sys), ("user", "b")]),
+            &cfg(),
+        );
+        let (a, b) = (a.unwrap(), b.unwrap());
+        let shared = a
+            .blocks
+            .iter()
+            .zip(&b.blocks)
+            .take_while(|(x, y)| x == y)
+            .count();
+        assert!(shared >= 11, "shared {shared} blocks");
+        // Every message counts: a later message changes only the blocks it reaches.
+        let c = inspect(
+            Endpoint::Chat,
+            &chat("m", &[("system", &sys), ("user", &words(100, "u"))]),
+            &cfg(),
+        )
+        .unwrap();
+        assert!(c.blocks.len() > a.blocks.len());
+        assert_eq!(c.blocks[..shared], a.blocks[..shared]);
+    }
+
+    #[test]
+    fn model_and_cache_salt_separate_chains() {
+        let sys = words(100, "s");
+        let base = inspect(Endpoint::Chat, &chat("m1", &[("user", &sys)]), &cfg()).unwrap();
+        let other = inspect(Endpoint::Chat, &chat("m2", &[("user", &sys)]), &cfg()).unwrap();
+        assert_ne!(base.blocks[0], other.blocks[0]);
+        let mut v: serde_json::Value =
+            serde_json::from_slice(&chat("m1", &[("user", &sys)])).unwrap();
+        v["cache_salt"] = "tenant-a".into();
+        let salted = inspect(Endpoint::Chat, &serde_json::to_vec(&v).unwrap(), &cfg()).unwrap();
+        assert_ne!(base.blocks[0], salted.blocks[0]);
+        assert_eq!(base.prompt_tokens, salted.prompt_tokens);
+    }
+
+    #[test]
+    fn huge_prompts_hash_only_the_cap_and_estimate_the_rest() {
+        let cfg = InspectConfig {
+            max_hashed_tokens: 64,
+            ..InspectConfig::default()
+        };
+        let text = words(20_000, "x");
+        let body = serde_json::to_vec(&serde_json::json!({"model": "m", "prompt": text})).unwrap();
+        let got = inspect(Endpoint::Completions, &body, &cfg).unwrap();
+        assert_eq!(got.blocks.len(), 4);
+        assert_eq!(got.hashed_tokens, 64);
+        let exact = Tokenizer.count(&text) + 1;
+        let err = (f64::from(got.prompt_tokens) - exact as f64).abs() / exact as f64;
+        assert!(err < 0.05, "estimate {} vs {exact}", got.prompt_tokens);
+        // The capped chain is the start of the uncapped one.
+        let full = inspect(Endpoint::Completions, &body, &InspectConfig::default()).unwrap();
+        assert_eq!(full.blocks[..4], got.blocks[..]);
+        assert_eq!(full.prompt_tokens as usize, exact);
+    }
+
+    #[test]
+    fn completions_accept_token_ids_and_batches() {
+        let ids: Vec<u32> = (0..40).collect();
+        let body = serde_json::json!({"model": "m", "prompt": ids, "stream": true,
+            "stream_options": {"include_usage": true}, "max_tokens": 7, "temperature": 0});
+        let got = inspect(
+            Endpoint::Completions,
+            &serde_json::to_vec(&body).unwrap(),
+            &cfg(),
+        );
+        let got = got.unwrap();
+        assert_eq!((got.prompt_tokens, got.blocks.len()), (40, 2));
+        assert!(got.stream && got.include_usage && got.deterministic);
+        assert_eq!(got.max_tokens, Some(7));
+        let batch = serde_json::json!({"model": "m", "prompt": [[1, 2, 3], [4, 5]]});
+        let got = inspect(
+            Endpoint::Completions,
+            &serde_json::to_vec(&batch).unwrap(),
+            &cfg(),
+        );
+        assert_eq!(got.unwrap().prompt_tokens, 5);
+    }
+
+    #[test]
+    fn bad_bodies_are_named_errors() {
+        for (ep, body) in [
+            (Endpoint::Chat, &b"not json"[..]),
+            (Endpoint::Chat, br#"{"model":"m"}"#),
+            (Endpoint::Chat, br#"{"messages":"hi"}"#),
+            (Endpoint::Completions, br#"{"prompt":""}"#),
+            (Endpoint::Completions, br#"{"prompt":[]}"#),
+            (Endpoint::Chat, br#"{"messages":[]}"#),
+        ] {
+            assert!(
+                inspect(ep, body, &cfg()).is_err(),
+                "{}",
+                String::from_utf8_lossy(body)
+            );
+        }
+    }
+}
