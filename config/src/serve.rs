@@ -163,9 +163,10 @@ impl Default for ScrapeConfig {
 pub struct TimeoutConfig {
     /// Connecting to a replica.
     pub connect_ms: u64,
-    /// From sending the request to the response header (queueing and prefill happen here).
+    /// From sending the request to the response header, and to the first body chunk (queueing and
+    /// prefill happen here).
     pub first_byte_ms: u64,
-    /// Longest silence between two response chunks.
+    /// Longest silence between two response chunks, after the first.
     pub idle_ms: u64,
     /// Idle upstream connections are kept this long for reuse.
     pub pool_idle_ms: u64,

@@ -168,6 +168,11 @@ pub struct ReplayArgs {
     /// visited round-robin, as a plain load balancer would.
     #[arg(long, required = true, num_args = 1.., value_delimiter = ',')]
     pub target: Vec<String>,
+    /// Replicas behind the target (e.g. behind a proxy) whose `/metrics` tell the run's prefix-cache
+    /// hit rate; the trace's ideal is then computed for one cache of their combined KV capacity.
+    /// Default: the targets themselves.
+    #[arg(long, num_args = 1.., value_delimiter = ',', value_name = "URL")]
+    pub observe: Vec<String>,
     /// Endpoint the prompts are sent to.
     #[arg(long, value_enum, default_value_t = Endpoint::Completions)]
     pub endpoint: Endpoint,
@@ -356,8 +361,17 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
             .as_str()
             .map(str::to_owned)
     });
+    let behind = !a.observe.is_empty();
+    let observed: Vec<String> = if behind {
+        a.observe
+            .iter()
+            .map(|u| u.trim_end_matches('/').to_owned())
+            .collect()
+    } else {
+        targets.clone()
+    };
     let mut metrics_before = Vec::new();
-    for t in &targets {
+    for t in &observed {
         metrics_before.push(metrics_text(&client, t).await);
     }
 
@@ -441,7 +455,8 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     let summary = report::summarize(&results, slo);
     let target_info = observe_targets(
         &client,
-        &targets,
+        &observed,
+        behind,
         &metrics_before,
         &records,
         &rows,
@@ -659,10 +674,13 @@ async fn run_sweep(
 
 /// What the targets' own metrics say about the run: each target's prefix-cache hit rate over the
 /// run, the overall one, and the hit rate the trace's hash ids imply for the same cache sizes (each
-/// target seeing the rows sent to it).
+/// target seeing the rows sent to it). Replicas `behind` a router saw rows the router chose, so the
+/// trace's figure is then the ideal: one LRU cache as large as all of theirs together (the most a
+/// router can keep), beside an unbounded cache.
 async fn observe_targets(
     client: &reqwest::Client,
     targets: &[String],
+    behind: bool,
     before: &[Option<String>],
     records: &[TraceRecord],
     rows: &[usize],
@@ -670,6 +688,7 @@ async fn observe_targets(
 ) -> Value {
     let (mut queries, mut hits, mut offline_hits) = (0.0, 0.0, 0.0);
     let mut offline_known = true;
+    let mut fleet_tokens = 0u64;
     let mut per_target = Vec::new();
     for (j, (t, b)) in targets.iter().zip(before).enumerate() {
         let after = metrics_text(client, t).await;
@@ -687,6 +706,10 @@ async fn observe_targets(
         let mut entry =
             json!({"url": t, "prefix_cache_hit_rate": if q > 0.0 { h / q } else { 0.0 }});
         match kv_cache_tokens(&after) {
+            Some(tokens) if behind => {
+                fleet_tokens += tokens;
+                entry["kv_cache_tokens"] = json!(tokens);
+            }
             Some(tokens) => {
                 let mine: Vec<TraceRecord> = records
                     .iter()
@@ -713,7 +736,15 @@ async fn observe_targets(
             .take(sent)
             .map(|r| f64::from(r.input_length))
             .sum();
-        if offline_known && contracted > 0.0 {
+        if behind && offline_known {
+            let sent_rows = &records[..sent.min(records.len())];
+            out["offline_prefix_hit_rate"] =
+                json!(trace::offline_prefix_hit_rate(sent_rows, fleet_tokens));
+            out["offline_unbounded_hit_rate"] =
+                json!(trace::offline_prefix_hit_rate(sent_rows, u64::MAX));
+            out["offline_basis"] =
+                json!("one LRU cache of the observed replicas' combined KV capacity");
+        } else if offline_known && contracted > 0.0 {
             out["offline_prefix_hit_rate"] = json!(offline_hits / contracted);
         }
     }

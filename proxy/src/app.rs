@@ -284,15 +284,18 @@ async fn respond(
     status: u16,
     content_type: &str,
     body: Vec<u8>,
-    retry_after: Option<u32>,
+    error: Option<&ProxyError>,
 ) {
     let Ok(mut resp) = ResponseHeader::build(status, Some(4)) else {
         return;
     };
     let _ = resp.insert_header(header::CONTENT_TYPE, content_type);
     let _ = resp.insert_header(header::CONTENT_LENGTH, body.len().to_string());
-    if let Some(s) = retry_after {
-        let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
+    if let Some(e) = error {
+        let _ = resp.insert_header("x-headroom-error", e.reason());
+        if let Some(s) = e.retry_after() {
+            let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
+        }
     }
     if session
         .write_response_header(Box::new(resp), false)
@@ -365,14 +368,7 @@ impl ProxyHttp for Headroom {
                 .inc();
             ctx.status = e.status();
             if !ctx.response_started {
-                respond(
-                    session,
-                    e.status(),
-                    "application/json",
-                    e.body(),
-                    e.retry_after(),
-                )
-                .await;
+                respond(session, e.status(), "application/json", e.body(), Some(&e)).await;
             }
         }
         Ok(true)

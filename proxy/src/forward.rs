@@ -329,12 +329,16 @@ impl Headroom {
         }
         ctx.response_started = true;
         let mut parser = is_sse.then(SseParser::new);
+        // Engines send the header at once and the first chunk after queueing and prefill, so the
+        // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
         let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
+        let mut wait = Duration::from_millis(self.cfg.timeouts.first_byte_ms);
         let mut done = end_now;
         while !done {
             tokio::select! {
-                r = tokio::time::timeout(idle, up.read_response_body()) => match r {
+                r = tokio::time::timeout(wait, up.read_response_body()) => match r {
                     Ok(Ok(Some(chunk))) => {
+                        wait = idle;
                         if let Some(p) = parser.as_mut() {
                             let mut output = false;
                             p.feed(&chunk, |ev| output |= is_output_event(&ev.data));
@@ -349,7 +353,8 @@ impl Headroom {
                     }
                     Ok(Ok(None)) => done = true,
                     Ok(Err(_)) | Err(_) => {
-                        return self.upstream_cut(session, &backend, is_sse, r.is_err()).await;
+                        let silent = r.is_err().then_some(wait);
+                        return self.upstream_cut(session, &backend, is_sse, silent).await;
                     }
                 },
                 _ = session.as_downstream_mut().read_body_or_idle(true) => {
@@ -402,7 +407,7 @@ impl Headroom {
         session: &mut Session,
         backend: &Backend,
         is_sse: bool,
-        idle_timeout: bool,
+        silent_for: Option<Duration>,
     ) -> Ended {
         self.metrics
             .upstream_cut
@@ -410,11 +415,8 @@ impl Headroom {
             .inc();
         self.fleet.request_failed(backend);
         if is_sse {
-            let why = if idle_timeout {
-                format!(
-                    "{} sent nothing for {} ms",
-                    backend.name, self.cfg.timeouts.idle_ms
-                )
+            let why = if let Some(t) = silent_for {
+                format!("{} sent nothing for {} ms", backend.name, t.as_millis())
             } else {
                 format!("{} closed the stream before it finished", backend.name)
             };

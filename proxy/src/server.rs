@@ -65,12 +65,6 @@ impl ServeHandle {
             let _ = t.await;
         }
     }
-
-    /// Resolves when the proxy has been told to stop.
-    pub async fn stopped(&self) {
-        let mut rx = self.stop.subscribe();
-        let _ = rx.wait_for(|s| *s).await;
-    }
 }
 
 /// The routing policy named in the config.

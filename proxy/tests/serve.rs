@@ -315,6 +315,39 @@ async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
     assert!(text.contains("\"error\""), "{text}");
     assert!(text.contains("closed the stream"), "{text}");
     assert!(!text.contains("[DONE]"), "{text}");
+    // A long wait for the first token is bounded by the first-byte timeout, not the idle one; a
+    // stream that falls silent after it started is cut with an error event.
+    let p3 = proxy(&[b.url()], "round_robin", |c| {
+        c.timeouts.idle_ms = 150;
+        c.timeouts.first_byte_ms = 10_000;
+    })
+    .await;
+    let url3 = format!("http://{}/v1/chat/completions", p3.addr);
+    let slow_start = client()
+        .post(&url3)
+        .header("x-headroom-fault", "stall-first-ms=400")
+        .json(&chat("s", "q", 3, true))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(slow_start.ends_with("data: [DONE]\n\n"), "{slow_start}");
+    let stalls = client()
+        .post(&url3)
+        .header("x-headroom-fault", "stall-after=2,stall-ms=2000")
+        .json(&chat("s", "q", 5, true))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(stalls.contains("sent nothing for 150 ms"), "{stalls}");
+    assert!(!stalls.contains("[DONE]"), "{stalls}");
+    p3.shutdown().await;
+
     // The replica never answers: the first-byte timeout turns it into a 504.
     let p2 = proxy(&[b.url()], "round_robin", |c| {
         c.timeouts.first_byte_ms = 300
@@ -353,6 +386,7 @@ async fn unknown_routes_large_bodies_limits_and_models() {
         let resp = client().post(format!("{base}{path}")).send().await.unwrap();
         assert_eq!(resp.status(), 404, "{path}");
         assert!(!resp.headers().contains_key("x-headroom-backend"));
+        assert_eq!(resp.headers()["x-headroom-error"], "unknown_route");
         let body: Value = resp.json().await.unwrap();
         assert_eq!(body["error"]["type"], "NotFoundError");
     }

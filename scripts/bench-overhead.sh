@@ -1,0 +1,155 @@
+#!/usr/bin/env bash
+# Proxy overhead, side by side in one run: the same streaming load (a constant-latency simulated
+# replica, RATE req/s, TOKENS-token streams) sent direct to the replica, through `headroom serve`,
+# and through nginx configured as a plain unbuffered SSE reverse proxy. Each configuration runs
+# ROUNDS times, interleaved, so drift on a shared machine hits all three alike. Records TTFT and ITL
+# percentiles per configuration, what each proxy adds over direct, and each proxy's CPU time per
+# relayed chunk (from /proc, all of its processes and threads). Loopback only; bounded by DURATION.
+#
+#   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2
+set -euo pipefail
+cd "$(dirname "$0")/.."
+RATE=${RATE:-200}
+TOKENS=${TOKENS:-100}
+DURATION=${DURATION:-30}
+ROUNDS=${ROUNDS:-2}
+ITL_MS=${ITL_MS:-10}
+TTFT_MS=${TTFT_MS:-20}
+OUT=${OUT:-results/bench-overhead}
+mkdir -p "$OUT"
+
+if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
+  echo "installing nginx-light (the reference proxy)" >&2
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nginx-light >/dev/null
+fi
+NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+cargo build --release --locked -q
+bin=target/release/headroom
+
+# RATE × DURATION requests (and some slack), 64-token prompts, TOKENS-token answers, no reuse.
+python3 - "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" <<'PY'
+import json, sys
+path, n, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+with open(path, "w") as f:
+    for i in range(n):
+        f.write(json.dumps({"timestamp": 0, "input_length": 64, "output_length": tokens,
+                            "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}) + "\n")
+PY
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+wait_line() { for _ in $(seq 200); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done; echo "timed out: $2 in $1" >&2; exit 1; }
+
+$bin sim --port 0 --latency-model constant --time-to-first-token "$TTFT_MS" \
+  --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
+  >"$OUT/sim.url" 2>"$OUT/sim.log" &
+pids+=($!)
+wait_line "$OUT/sim.url" http
+sim=$(grep -m1 http "$OUT/sim.url")
+sim_hostport=${sim#http://}
+
+$bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" \
+  >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
+headroom_pid=$!
+pids+=($headroom_pid)
+wait_line "$OUT/headroom.log" "admin http"
+headroom=$(grep -m1 http "$OUT/headroom.url")
+
+nginx_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+ndir=$(cd "$OUT" && pwd)/nginx
+mkdir -p "$ndir/logs"
+cat >"$ndir/nginx.conf" <<EOF
+worker_processes auto;
+error_log $ndir/logs/error.log warn;
+pid $ndir/nginx.pid;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path $ndir/body;
+  proxy_temp_path $ndir/proxy;
+  upstream replica { server $sim_hostport; keepalive 512; }
+  server {
+    listen 127.0.0.1:$nginx_port;
+    location / {
+      proxy_pass http://replica;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      proxy_read_timeout 300s;
+    }
+  }
+}
+EOF
+"$NGINX" -p "$ndir" -c "$ndir/nginx.conf" -g 'daemon off;' 2>"$ndir/logs/stderr.log" &
+nginx_pid=$!
+pids+=($nginx_pid)
+for _ in $(seq 100); do curl -sf "http://127.0.0.1:$nginx_port/health" >/dev/null && break; sleep 0.05; done
+nginx="http://127.0.0.1:$nginx_port"
+
+# CPU seconds (user + system) of a process and its children threads/processes.
+cpu_of() {
+  local total=0 p
+  for p in "$@" $(pgrep -P "$1" 2>/dev/null || true); do
+    [ -r "/proc/$p/stat" ] || continue
+    total=$(( total + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
+  done
+  echo "$total"
+}
+
+for round in $(seq "$ROUNDS"); do
+  for config in direct headroom nginx; do
+    case $config in
+      direct) url=$sim; watch="" ;;
+      headroom) url=$headroom; watch=$headroom_pid ;;
+      nginx) url=$nginx; watch=$nginx_pid ;;
+    esac
+    dir="$OUT/$config-$round"
+    before=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
+    echo "== round $round: $config ($url)" >&2
+    $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
+      --seed 7 --hardware "headroom sim, constant ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
+      --out "$dir" >"$dir.txt" 2>"$dir.log" || true
+    after=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
+    echo "$(( after - before ))" >"$dir/cpu_ticks"
+  done
+done
+
+python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" <<'PY'
+import json, sys
+out, rounds, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+rate, tokens, duration = sys.argv[4], sys.argv[5], sys.argv[6]
+def load(config):
+    ttft, itl, chunks, cpu, failed = {}, {}, 0, 0, 0
+    runs = []
+    for r in range(1, rounds + 1):
+        d = json.load(open(f"{out}/{config}-{r}/result.json"))
+        s = d["summary"]
+        runs.append(s)
+        # Each completed stream relays one event per token and [DONE].
+        chunks += sum(x["output_tokens"] + 1 for x in d["requests"] if not x.get("error_kind"))
+        cpu += int(open(f"{out}/{config}-{r}/cpu_ticks").read())
+        failed += s["failed"]
+    mean = lambda k, p: sum(s[k][p] for s in runs) / len(runs)
+    return {"ttft_p50": mean("ttft", "p50_ms"), "ttft_p99": mean("ttft", "p99_ms"),
+            "itl_p50": mean("itl", "p50_ms"), "itl_p99": mean("itl", "p99_ms"),
+            "chunks": chunks, "cpu_s": cpu / hz, "failed": failed}
+res = {c: load(c) for c in ("direct", "headroom", "nginx")}
+d = res["direct"]
+lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved", "",
+         "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+for c, r in res.items():
+    added = "" if c == "direct" else f"{r['ttft_p50']-d['ttft_p50']:+.2f} / {r['ttft_p99']-d['ttft_p99']:+.2f}"
+    added_itl = "" if c == "direct" else f"{r['itl_p99']-d['itl_p99']:+.2f}"
+    cpu = "" if c == "direct" else f"{1e6*r['cpu_s']/max(r['chunks'],1):.2f}"
+    lines.append(f"| {c} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['itl_p50']:.2f} | {r['itl_p99']:.2f} | {added} | {added_itl} | {cpu} | {r['failed']} |")
+h, n = res["headroom"], res["nginx"]
+ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
+lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]
+text = "\n".join(lines)
+open(f"{out}/summary.md", "w").write(text + "\n")
+print(text)
+PY

@@ -1,0 +1,100 @@
+#!/usr/bin/env bash
+# Routing quality: a contiguous slice of the real Mooncake conversation trace replayed through
+# `headroom serve` to 4 simulated Llama-3.1-8B/H100 replicas, once per policy, each run starting
+# from cold prefix caches. Records, per policy: the replicas' own prefix-cache hit rate beside the
+# trace's ideal (one LRU cache as large as the whole fleet's), TTFT p50/p99, TPOT p99, goodput and
+# load imbalance (max/mean of each replica's time-averaged in-flight requests, from the proxy's
+# headroom_backend_in_flight_seconds_total). Loopback only; bounded by ROWS.
+#
+#   ROWS=2000 TIME_SCALE=0.5 scripts/bench-routing.sh      # ~6 minutes per policy
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROWS=${ROWS:-2000}
+START=${START:-0}
+TIME_SCALE=${TIME_SCALE:-0.5}
+POLICIES=${POLICIES:-round_robin least_load session consistent_hash prefix_affinity}
+SLO=${SLO:-ttft=2000,tpot=50}
+TRACE=${TRACE:-../shared/traces/mooncake_conversation.jsonl}
+OUT=${OUT:-results/bench-routing}
+[ -f "$TRACE" ] || { echo "trace not found: $TRACE" >&2; exit 2; }
+mkdir -p "$OUT"
+cargo build --release --locked -q
+bin=target/release/headroom
+
+# The slice, as its own trace file, so its digest is in every contract.
+slice="$OUT/trace.jsonl"
+sed -n "$((START + 1)),$((START + ROWS))p" "$TRACE" >"$slice"
+
+pids=()
+cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+trap cleanup EXIT
+
+wait_line() { # file pattern
+  for _ in $(seq 200); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done
+  echo "timed out waiting for $2 in $1" >&2; exit 1
+}
+
+$bin sim --replicas 4 --port 0 --profile llama-3.1-8b --gpu h100 >"$OUT/sims.url" 2>"$OUT/sims.log" &
+pids+=($!)
+for _ in $(seq 200); do [ "$(grep -c http "$OUT/sims.url" 2>/dev/null)" = 4 ] && break; sleep 0.05; done
+urls=$(paste -sd, "$OUT/sims.url")
+
+for policy in $POLICIES; do
+  for u in $(cat "$OUT/sims.url"); do curl -sf -X POST "$u/reset_prefix_cache" >/dev/null; done
+  dir="$OUT/$policy"
+  mkdir -p "$dir"
+  $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" --policy "$policy" \
+    >"$dir/serve.url" 2>"$dir/serve.log" &
+  serve=$!
+  wait_line "$dir/serve.log" "admin http"
+  proxy=$(grep -m1 http "$dir/serve.url")
+  admin=$(grep -o 'admin http://[0-9.:]*' "$dir/serve.log" | cut -d' ' -f2)
+  curl -sf "$admin/metrics" >"$dir/proxy-metrics-before.txt"
+  echo "== $policy (proxy $proxy)" >&2
+  $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$proxy" --observe "$urls" \
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve --policy $policy" \
+    --out "$dir" >"$dir/replay.txt"
+  curl -sf "$admin/metrics" >"$dir/proxy-metrics-after.txt"
+  kill -INT "$serve"; wait "$serve" 2>/dev/null || true
+done
+
+python3 - "$OUT" $POLICIES <<'PY'
+import json, re, sys
+out, policies = sys.argv[1], sys.argv[2:]
+def integrals(path):
+    vals = {}
+    for line in open(path):
+        m = re.match(r'headroom_backend_in_flight_seconds_total\{backend="([^"]+)"\} (\S+)', line)
+        if m:
+            vals[m.group(1)] = float(m.group(2))
+    return vals
+rows = []
+for p in policies:
+    d = json.load(open(f"{out}/{p}/result.json"))
+    s, t = d["summary"], d["target_observed"]
+    b, a = integrals(f"{out}/{p}/proxy-metrics-before.txt"), integrals(f"{out}/{p}/proxy-metrics-after.txt")
+    loads = [a[k] - b.get(k, 0.0) for k in a]
+    imbalance = max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) > 0 else float("nan")
+    hit, ideal = t.get("prefix_cache_hit_rate", 0.0), t.get("offline_prefix_hit_rate", float("nan"))
+    rows.append((p, hit, ideal, t.get("offline_unbounded_hit_rate", float("nan")), s, imbalance))
+contract = json.load(open(f"{out}/{policies[0]}/result.json"))["contract"]
+lines = [
+    f"trace: {contract['trace']['path']} (sha256 {contract['trace']['sha256'][:16]}…), {contract['trace']['requests']} requests, time scale {contract['load'].get('time_scale')}",
+    "",
+    "| policy | hit rate | of ideal | TTFT p50 ms | TTFT p99 ms | TPOT p99 ms | goodput req/s | imbalance | failed |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|",
+]
+rr_p99 = next((r[4]["ttft"]["p99_ms"] for r in rows if r[0] == "round_robin"), None)
+for p, hit, ideal, unb, s, imb in rows:
+    lines.append(f"| {p} | {100*hit:.1f}% | {100*hit/ideal:.0f}% | {s['ttft']['p50_ms']:.0f} | {s['ttft']['p99_ms']:.0f} | "
+                 f"{s['tpot']['p99_ms']:.1f} | {s['goodput']['requests_per_s']:.2f} | {imb:.2f} | {s['failed']} |")
+lines.append("")
+lines.append(f"ideal hit rate (one LRU cache of the fleet's combined KV capacity): {100*rows[0][2]:.1f}%; unbounded cache: {100*rows[0][3]:.1f}%")
+if rr_p99:
+    pa = next((r for r in rows if r[0] == "prefix_affinity"), None)
+    if pa:
+        lines.append(f"prefix_affinity: {100*pa[1]/pa[2]:.0f}% of ideal hit rate, TTFT p99 {pa[4]['ttft']['p99_ms']/rr_p99:.2f}× round_robin's, imbalance {pa[5]:.2f}")
+text = "\n".join(lines)
+open(f"{out}/summary.md", "w").write(text + "\n")
+print(text)
+PY
