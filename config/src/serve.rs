@@ -80,6 +80,8 @@ pub struct RoutingConfig {
     pub hash_seed: u64,
     /// Tokens of prefill one decoding sequence is worth in the `prefix_affinity` cost.
     pub decode_weight: f64,
+    /// Weight of the prefill a request brings against work already queued (`prefix_affinity`).
+    pub recompute_weight: f64,
     /// Prefix-index capacity per replica, in blocks; when absent it is read from the replica's
     /// `vllm:cache_config_info` (and unbounded until then).
     pub index_blocks: Option<u64>,
@@ -95,6 +97,7 @@ impl Default for RoutingConfig {
             max_hashed_tokens: 32_768,
             hash_seed: 0,
             decode_weight: 8.0,
+            recompute_weight: 2.0,
             index_blocks: None,
             session_header: "x-session-id".into(),
         }
@@ -333,6 +336,14 @@ impl Validate for ServeConfig {
             "decode_weight",
             r.decode_weight,
             "must be a finite number ≥ 0",
+        );
+        check(
+            e,
+            r.recompute_weight.is_finite() && r.recompute_weight > 0.0,
+            &rp,
+            "recompute_weight",
+            r.recompute_weight,
+            "must be a finite number > 0",
         );
         check(
             e,

@@ -1,6 +1,7 @@
 //! Routing hot paths on realistic prefixes: a 4,096-token prompt (256 blocks of 16) against a fleet
 //! of 8 replicas whose indices hold 20,000 blocks each, half of them sharing the prompt's first 128
-//! blocks.
+//! blocks; and request inspection (parse, render, tokenize, hash) of chat bodies of 4k and 32k
+//! prompt tokens, which the proxy does once per generation request.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use headroom_proxy::routing::{
@@ -67,5 +68,34 @@ fn bench(c: &mut Criterion) {
     });
 }
 
-criterion_group!(benches, bench);
+fn chat_body(words: usize) -> Vec<u8> {
+    let text: String = (0..words)
+        .map(|i| headroom_workload::words::spaced_word(i as u64 * 7 + 3))
+        .collect();
+    serde_json::to_vec(&serde_json::json!({
+        "model": "meta-llama/Llama-3.1-8B-Instruct",
+        "stream": true,
+        "messages": [
+            {"role": "system", "content": text},
+            {"role": "user", "content": "Summarise the above."},
+        ],
+    }))
+    .expect("serializable")
+}
+
+fn inspection(c: &mut Criterion) {
+    use headroom_workload::inspect::{Endpoint, InspectConfig, inspect};
+    let cfg = InspectConfig::default();
+    for (name, words) in [
+        ("inspect_chat_4k_tokens", 4_000),
+        ("inspect_chat_32k_tokens", 32_000),
+    ] {
+        let body = chat_body(words);
+        c.bench_function(name, |b| {
+            b.iter(|| inspect(Endpoint::Chat, std::hint::black_box(&body), &cfg))
+        });
+    }
+}
+
+criterion_group!(benches, bench, inspection);
 criterion_main!(benches);

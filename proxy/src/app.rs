@@ -342,6 +342,11 @@ impl ProxyHttp for Headroom {
         }
     }
 
+    fn init_downstream_modules(&self, _modules: &mut pingora::modules::http::HttpModules) {
+        // No response compression module: streams pass through byte for byte, and no module
+        // runs per chunk.
+    }
+
     async fn upstream_peer(
         &self,
         _session: &mut Session,

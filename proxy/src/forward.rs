@@ -333,12 +333,22 @@ impl Headroom {
         // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
         let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
         let mut wait = Duration::from_millis(self.cfg.timeouts.first_byte_ms);
+        // One timer for the whole response, re-armed only when it fires early: re-registering a
+        // timer per chunk would cost more than relaying the chunk.
+        let mut last_chunk = tokio::time::Instant::now();
+        let silence = tokio::time::sleep_until(last_chunk + wait);
+        tokio::pin!(silence);
         let mut done = end_now;
         while !done {
             tokio::select! {
-                r = tokio::time::timeout(wait, up.read_response_body()) => match r {
-                    Ok(Ok(Some(chunk))) => {
-                        wait = idle;
+                r = up.read_response_body() => match r {
+                    Ok(Some(chunk)) => {
+                        last_chunk = tokio::time::Instant::now();
+                        if wait != idle {
+                            // The first chunk: from now on silence is measured against idle_ms.
+                            wait = idle;
+                            silence.as_mut().reset(last_chunk + idle);
+                        }
                         if let Some(p) = parser.as_mut() {
                             let mut output = false;
                             p.feed(&chunk, |ev| output |= is_output_event(&ev.data));
@@ -351,12 +361,16 @@ impl Headroom {
                             return self.client_gone(&backend);
                         }
                     }
-                    Ok(Ok(None)) => done = true,
-                    Ok(Err(_)) | Err(_) => {
-                        let silent = r.is_err().then_some(wait);
-                        return self.upstream_cut(session, &backend, is_sse, silent).await;
-                    }
+                    Ok(None) => done = true,
+                    Err(_) => return self.upstream_cut(session, &backend, is_sse, None).await,
                 },
+                () = &mut silence => {
+                    let deadline = last_chunk + wait;
+                    if tokio::time::Instant::now() >= deadline {
+                        return self.upstream_cut(session, &backend, is_sse, Some(wait)).await;
+                    }
+                    silence.as_mut().reset(deadline);
+                }
                 _ = session.as_downstream_mut().read_body_or_idle(true) => {
                     return self.client_gone(&backend);
                 }

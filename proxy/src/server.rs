@@ -84,6 +84,7 @@ pub fn build_policy(cfg: &ServeConfig) -> Arc<dyn RoutingPolicy> {
             }
             let mut p = PrefixAffinity::new(index);
             p.decode_weight = r.decode_weight;
+            p.recompute_weight = r.recompute_weight;
             Arc::new(p)
         }
     }

@@ -4,7 +4,7 @@
 //! The `prefix_affinity` cost, in one unit (tokens of work the new request would wait behind or do):
 //!
 //! ```text
-//! cost(b) = (prompt_tokens − matched_tokens(b))            uncached prefill the request brings
+//! cost(b) = recompute_weight · (prompt_tokens − matched_tokens(b))   uncached prefill it brings
 //!         + pending_prefill_tokens(b)                       prefill already queued on b
 //!         + decode_weight · decoding(b)                     sequences decoding on b
 //! pick    = argmin cost(b) over healthy b; ties broken by rendezvous hash of the leading block
@@ -15,6 +15,7 @@
 //! | `matched_tokens(b)` | leading blocks of the prompt the prefix index says b holds × block tokens, at most prompt − 1 | |
 //! | `pending_prefill_tokens(b)` | uncached prompt tokens of requests sent to b that have not produced a first token (counted by the proxy) | |
 //! | `decoding(b)` | requests on b past their first token (counted by the proxy) | |
+//! | `recompute_weight` | how much a token of prefill the request brings counts against a token already queued: 1 minimises this request's own wait; above 1 also charges the recomputation to the requests that will queue behind it | 2 |
 //! | `decode_weight` | tokens of prefill one decoding sequence is worth per scheduling decision: its per-step KV read at ~2k context costs about what prefilling 5–10 tokens does on an 8B model | 8 |
 //!
 //! There is no switch between an "affinity mode" and a "load mode": a cached prefix is worth exactly

@@ -146,6 +146,8 @@ pub struct PrefixAffinity {
     index: Mutex<PrefixIndex>,
     /// Tokens of prefill one decoding sequence is worth.
     pub decode_weight: f64,
+    /// Weight of the uncached prefill the request brings, against work already queued.
+    pub recompute_weight: f64,
 }
 
 impl Default for PrefixAffinity {
@@ -160,6 +162,7 @@ impl PrefixAffinity {
         Self {
             index: Mutex::new(index),
             decode_weight: 8.0,
+            recompute_weight: 2.0,
         }
     }
 
@@ -170,7 +173,7 @@ impl PrefixAffinity {
 
     /// The cost of sending `req` to `b`, given `b` holds `matched` prompt tokens.
     pub fn cost(&self, req: &RouteRequest<'_>, b: &BackendView, matched: u32) -> f64 {
-        f64::from(req.prompt_tokens - matched.min(req.prompt_tokens))
+        self.recompute_weight * f64::from(req.prompt_tokens - matched.min(req.prompt_tokens))
             + b.pending_prefill_tokens as f64
             + self.decode_weight * f64::from(b.decoding)
     }
@@ -345,7 +348,10 @@ mod tests {
 
     #[test]
     fn prefix_affinity_follows_the_cache_until_the_queue_costs_more() {
-        let p = PrefixAffinity::default();
+        let p = PrefixAffinity {
+            recompute_weight: 1.0,
+            ..PrefixAffinity::default()
+        };
         let f = fleet(3);
         p.with_index(|ix| {
             for b in 0..3 {
@@ -370,6 +376,19 @@ mod tests {
         f2[first.backend].pending_prefill_tokens = 2000;
         assert_ne!(
             p.select(&req(&shared, 1700), &f2).unwrap().backend,
+            first.backend
+        );
+        // Charging recomputation twice (the default) keeps it home until the queue costs
+        // 2 × 1,600 more.
+        let heavy = PrefixAffinity::default();
+        heavy.with_index(|ix| ix.record(first.backend, &shared));
+        assert_eq!(
+            heavy.select(&req(&shared, 1700), &f2).unwrap().backend,
+            first.backend
+        );
+        f2[first.backend].pending_prefill_tokens = 3300;
+        assert_ne!(
+            heavy.select(&req(&shared, 1700), &f2).unwrap().backend,
             first.backend
         );
     }
