@@ -129,7 +129,7 @@ def load(config):
         s = d["summary"]
         runs.append(s)
         # Each completed stream relays one event per token and [DONE].
-        chunks += sum(x["output_tokens"] + 1 for x in d["requests"] if not x.get("error_kind"))
+        chunks += sum((x["completion_tokens"] or 0) + 1 for x in d["requests"] if not x.get("error_kind"))
         cpu += int(open(f"{out}/{config}-{r}/cpu_ticks").read())
         failed += s["failed"]
     mean = lambda k, p: sum(s[k][p] for s in runs) / len(runs)

@@ -6,14 +6,17 @@
 # load imbalance (max/mean of each replica's time-averaged in-flight requests, from the proxy's
 # headroom_backend_in_flight_seconds_total). Loopback only; bounded by ROWS.
 #
-#   ROWS=2000 TIME_SCALE=0.5 scripts/bench-routing.sh      # ~6 minutes per policy
+#   ROWS=1000 TIME_SCALE=1 scripts/bench-routing.sh       # ~6 minutes per policy
+# Each run's proxy config is written beside its results (headroom.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
-ROWS=${ROWS:-2000}
+ROWS=${ROWS:-1000}
 START=${START:-0}
-TIME_SCALE=${TIME_SCALE:-0.5}
+TIME_SCALE=${TIME_SCALE:-1}
 POLICIES=${POLICIES:-round_robin least_load session consistent_hash prefix_affinity}
 SLO=${SLO:-ttft=2000,tpot=50}
+# Extra [routing] lines for every run, e.g. ROUTING_EXTRA='recompute_weight = 2.0'.
+ROUTING_EXTRA=${ROUTING_EXTRA:-}
 TRACE=${TRACE:-../shared/traces/mooncake_conversation.jsonl}
 OUT=${OUT:-results/bench-routing}
 [ -f "$TRACE" ] || { echo "trace not found: $TRACE" >&2; exit 2; }
@@ -43,8 +46,13 @@ for policy in $POLICIES; do
   for u in $(cat "$OUT/sims.url"); do curl -sf -X POST "$u/reset_prefix_cache" >/dev/null; done
   dir="$OUT/$policy"
   mkdir -p "$dir"
-  $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" --policy "$policy" \
-    >"$dir/serve.url" 2>"$dir/serve.log" &
+  {
+    echo 'listen = "127.0.0.1:0"'
+    echo 'admin_listen = "127.0.0.1:0"'
+    for u in $(cat "$OUT/sims.url"); do printf '[[backends]]\nurl = "%s"\n' "$u"; done
+    printf '[routing]\npolicy = "%s"\n%b\n' "$policy" "$ROUTING_EXTRA"
+  } >"$dir/headroom.toml"
+  $bin serve --config "$dir/headroom.toml" >"$dir/serve.url" 2>"$dir/serve.log" &
   serve=$!
   wait_line "$dir/serve.log" "admin http"
   proxy=$(grep -m1 http "$dir/serve.url")
@@ -52,7 +60,7 @@ for policy in $POLICIES; do
   curl -sf "$admin/metrics" >"$dir/proxy-metrics-before.txt"
   echo "== $policy (proxy $proxy)" >&2
   $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$proxy" --observe "$urls" \
-    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve --policy $policy" \
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve (policy $policy${ROUTING_EXTRA:+; $ROUTING_EXTRA})" \
     --out "$dir" >"$dir/replay.txt"
   curl -sf "$admin/metrics" >"$dir/proxy-metrics-after.txt"
   kill -INT "$serve"; wait "$serve" 2>/dev/null || true

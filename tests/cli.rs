@@ -1,5 +1,6 @@
-//! The `headroom` binary as a user runs it: the demo end to end (small), the simulator's table,
-//! and bad input answered with a clear error and a failing exit code.
+//! The `headroom` binary as a user runs it: the demo end to end (small, both runs: round-robin and
+//! through the proxy), the simulator's table, and bad input answered with a clear error and a
+//! failing exit code.
 
 use std::process::Command;
 
@@ -28,26 +29,54 @@ fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert!(
-        stdout.contains("12 measured, 12 completed, 0 failed"),
+    assert_eq!(
+        stdout
+            .matches("12 measured, 12 completed, 0 failed")
+            .count(),
+        2,
         "{stdout}"
     );
     assert!(stdout.contains("TTFT"));
-    assert!(stdout.contains("prefix-cache hit rate"), "{stdout}");
-    let result: serde_json::Value =
-        serde_json::from_str(&std::fs::read_to_string(out_dir.join("result.json")).unwrap())
-            .unwrap();
-    assert_eq!(result["contract"]["trace"]["requests"], 12);
+    assert!(stdout.contains("round-robin, no proxy"), "{stdout}");
+    assert!(stdout.contains("headroom (prefix_affinity)"), "{stdout}");
+    let read = |run: &str| -> serde_json::Value {
+        let path = out_dir.join(run).join("result.json");
+        serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
+    };
+    let (direct, proxied) = (read("round_robin"), read("headroom"));
+    for result in [&direct, &proxied] {
+        assert_eq!(result["contract"]["trace"]["requests"], 12);
+        assert_eq!(result["summary"]["completed"], 12);
+        assert_eq!(result["summary"]["lengths"]["prompt_mismatches"], 0);
+        // Both runs read the two replicas' own prefix-cache counters.
+        assert_eq!(
+            result["target_observed"]["targets"]
+                .as_array()
+                .unwrap()
+                .len(),
+            2
+        );
+    }
     assert_eq!(
-        result["contract"]["target"]["urls"]
+        direct["contract"]["target"]["urls"]
             .as_array()
             .unwrap()
             .len(),
         2
     );
-    assert_eq!(result["summary"]["completed"], 12);
-    assert_eq!(result["summary"]["lengths"]["prompt_mismatches"], 0);
-    assert!(out_dir.join("report.html").exists());
+    assert_eq!(
+        proxied["contract"]["target"]["urls"]
+            .as_array()
+            .unwrap()
+            .len(),
+        1
+    );
+    assert_eq!(
+        direct["contract"]["trace"]["sha256"],
+        proxied["contract"]["trace"]["sha256"]
+    );
+    assert!(out_dir.join("round_robin/report.html").exists());
+    assert!(out_dir.join("headroom/report.html").exists());
 }
 
 #[test]
