@@ -11,51 +11,69 @@ use tokio::sync::watch;
 
 use super::{Backend, Fleet, Scraped};
 
-/// Probes every replica each `interval_ms` until `stop` turns true. The first round runs at once.
-pub async fn probe_loop(
-    fleet: Arc<Fleet>,
-    cfg: HealthConfig,
-    client: reqwest::Client,
+/// Runs `visit` on every replica at once, each `interval`, until `stop` turns true. The first round
+/// runs at once; a slow round delays the next instead of piling up.
+async fn every_round<F, Fut>(
+    fleet: &Fleet,
+    interval: Duration,
     mut stop: watch::Receiver<bool>,
-) {
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+    visit: F,
+) where
+    F: Fn(Arc<Backend>) -> Fut,
+    Fut: std::future::Future<Output = ()>,
+{
+    let mut tick = tokio::time::interval(interval);
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
             _ = stop.changed() => return,
         }
-        let rounds = fleet.backends.iter().map(|b| {
-            let (client, fleet, b) = (client.clone(), fleet.clone(), b.clone());
-            let (path, timeout) = (cfg.path.clone(), Duration::from_millis(cfg.timeout_ms));
-            async move {
-                let passed = probe(&client, &b, &path, timeout).await;
-                fleet.probe_result(&b, passed);
-                if passed {
-                    if let Some(models) = models(&client, &b, timeout).await {
-                        b.set_models(models);
-                    }
-                }
-            }
-        });
-        futures_util::future::join_all(rounds).await;
+        futures_util::future::join_all(fleet.backends.iter().cloned().map(&visit)).await;
     }
 }
 
-async fn probe(client: &reqwest::Client, b: &Backend, path: &str, timeout: Duration) -> bool {
-    let url = format!("{}{path}", b.url);
-    matches!(
-        client.get(url).timeout(timeout).send().await,
-        Ok(r) if r.status().is_success()
+/// `GET url` within `timeout`, when it answers with a success status.
+async fn get_ok(
+    client: &reqwest::Client,
+    url: String,
+    timeout: Duration,
+) -> Option<reqwest::Response> {
+    let resp = client.get(url).timeout(timeout).send().await.ok()?;
+    resp.status().is_success().then_some(resp)
+}
+
+/// Probes every replica each `interval_ms` until `stop` turns true; a passing replica's model list
+/// is refreshed too.
+pub async fn probe_loop(
+    fleet: Arc<Fleet>,
+    cfg: HealthConfig,
+    client: reqwest::Client,
+    stop: watch::Receiver<bool>,
+) {
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    let (client, fleet_ref, path) = (&client, &fleet, &cfg.path);
+    every_round(
+        &fleet,
+        Duration::from_millis(cfg.interval_ms),
+        stop,
+        |b| async move {
+            let passed = get_ok(client, format!("{}{path}", b.url), timeout)
+                .await
+                .is_some();
+            fleet_ref.probe_result(&b, passed);
+            if passed {
+                if let Some(models) = models(client, &b, timeout).await {
+                    b.set_models(models);
+                }
+            }
+        },
     )
+    .await;
 }
 
 async fn models(client: &reqwest::Client, b: &Backend, timeout: Duration) -> Option<Vec<String>> {
-    let url = format!("{}/v1/models", b.url);
-    let resp = client.get(url).timeout(timeout).send().await.ok()?;
-    if !resp.status().is_success() {
-        return None;
-    }
+    let resp = get_ok(client, format!("{}/v1/models", b.url), timeout).await?;
     let v: serde_json::Value = resp.json().await.ok()?;
     let ids = v.get("data")?.as_array()?.iter();
     Some(
@@ -67,46 +85,37 @@ async fn models(client: &reqwest::Client, b: &Backend, timeout: Duration) -> Opt
 /// Called with each successful scrape.
 pub type OnScrape = Arc<dyn Fn(&Backend, &EngineGauges) + Send + Sync>;
 
-/// Scrapes every replica's `/metrics` each `interval_ms` until `stop` turns true.
+/// Scrapes every replica's `/metrics` each `interval_ms` until `stop` turns true (never when 0).
 pub async fn scrape_loop(
     fleet: Arc<Fleet>,
     cfg: ScrapeConfig,
     client: reqwest::Client,
     on_scrape: OnScrape,
-    mut stop: watch::Receiver<bool>,
+    stop: watch::Receiver<bool>,
 ) {
     if cfg.interval_ms == 0 {
         return;
     }
-    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
-    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
-    loop {
-        tokio::select! {
-            _ = tick.tick() => {}
-            _ = stop.changed() => return,
-        }
-        let rounds = fleet.backends.iter().map(|b| {
-            let (client, b, on_scrape) = (client.clone(), b.clone(), on_scrape.clone());
-            let timeout = Duration::from_millis(cfg.timeout_ms);
-            async move {
-                let url = format!("{}/metrics", b.url);
-                let Ok(resp) = client.get(url).timeout(timeout).send().await else {
-                    return;
-                };
-                if !resp.status().is_success() {
-                    return;
-                }
-                let Ok(text) = resp.text().await else {
-                    return;
-                };
-                let gauges = EngineGauges::parse(&text);
-                on_scrape(&b, &gauges);
-                *b.engine.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
-                    gauges,
-                    at: Some(Instant::now()),
-                };
-            }
-        });
-        futures_util::future::join_all(rounds).await;
-    }
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    let (client, on_scrape) = (&client, &on_scrape);
+    every_round(
+        &fleet,
+        Duration::from_millis(cfg.interval_ms),
+        stop,
+        |b| async move {
+            let Some(resp) = get_ok(client, format!("{}/metrics", b.url), timeout).await else {
+                return;
+            };
+            let Ok(text) = resp.text().await else {
+                return;
+            };
+            let gauges = EngineGauges::parse(&text);
+            on_scrape(&b, &gauges);
+            *b.engine.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
+                gauges,
+                at: Some(Instant::now()),
+            };
+        },
+    )
+    .await;
 }
