@@ -55,14 +55,16 @@ pub struct BackendConfig {
 }
 
 impl BackendConfig {
+    /// `host:port` of the URL.
+    pub fn authority(&self) -> &str {
+        self.url.trim_start_matches("http://").trim_end_matches('/')
+    }
+
     /// The backend's name: the configured one, else `host:port`.
     pub fn display_name(&self) -> String {
-        self.name.clone().unwrap_or_else(|| {
-            self.url
-                .trim_start_matches("http://")
-                .trim_end_matches('/')
-                .to_owned()
-        })
+        self.name
+            .clone()
+            .unwrap_or_else(|| self.authority().to_owned())
     }
 }
 
@@ -285,8 +287,7 @@ impl Validate for ServeConfig {
         let mut names = std::collections::HashSet::new();
         for (i, b) in self.backends.iter().enumerate() {
             let bp = field_path(p, &format!("backends[{i}]"));
-            let rest = b.url.strip_prefix("http://");
-            let ok = rest.is_some_and(|r| is_host_port(r.trim_end_matches('/')));
+            let ok = b.url.starts_with("http://") && is_host_port(b.authority());
             let why = if b.url.starts_with("https://") {
                 "TLS to replicas is not supported yet; use http://host:port"
             } else {

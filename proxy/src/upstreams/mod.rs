@@ -85,11 +85,7 @@ pub struct LoadReading {
 
 impl Backend {
     fn new(id: BackendId, cfg: &BackendConfig) -> Result<Self, String> {
-        let authority = cfg
-            .url
-            .trim_start_matches("http://")
-            .trim_end_matches('/')
-            .to_owned();
+        let authority = cfg.authority().to_owned();
         let addr = authority
             .to_socket_addrs()
             .map_err(|e| format!("backend {}: cannot resolve {authority}: {e}", cfg.url))?
