@@ -56,9 +56,23 @@ pub fn demo_trace(args: &DemoArgs) -> Vec<TraceRecord> {
     let mut start = 0.0;
     let mut rows: Vec<(f64, TraceRecord)> = Vec::new();
     let mut conversation = 0;
-    // Enough conversations that the first `requests` turns in time order are all generated.
-    while rows.len() < args.requests * 2 || start < rows_cutoff(&rows, args.requests) {
+    // Turn times not yet earlier than the latest conversation start (as bits: for positive floats
+    // their order is the numbers' order), and how many are.
+    let mut pending = std::collections::BinaryHeap::new();
+    let mut settled = 0;
+    loop {
         start += synth::poisson_gap(&mut rng, args.rate / mean_turns);
+        while pending
+            .peek()
+            .is_some_and(|std::cmp::Reverse(t)| f64::from_bits(*t) < start)
+        {
+            pending.pop();
+            settled += 1;
+        }
+        // Every later conversation starts after the first `requests` turns: they are all here.
+        if settled >= args.requests {
+            break;
+        }
         let tenant = rng.random_range(0..args.tenants.max(1));
         let turns = rng.random_range(2..=6u32);
         let mut hash_ids: Vec<u64> = (0..u64::from(SYSTEM_BLOCKS))
@@ -79,6 +93,7 @@ pub fn demo_trace(args: &DemoArgs) -> Vec<TraceRecord> {
             let fresh = u64::from(input.div_ceil(BLOCK)) - hash_ids.len() as u64;
             hash_ids.extend(next_id..next_id + fresh);
             next_id += fresh;
+            pending.push(std::cmp::Reverse(t.to_bits()));
             rows.push((
                 t,
                 TraceRecord {
@@ -99,17 +114,6 @@ pub fn demo_trace(args: &DemoArgs) -> Vec<TraceRecord> {
     rows.sort_by(|a, b| a.0.total_cmp(&b.0));
     rows.truncate(args.requests);
     rows.into_iter().map(|(_, r)| r).collect()
-}
-
-/// The time of the `n`-th earliest turn generated so far (infinite until there are `n`): a new
-/// conversation starting later than it cannot place a turn among the first `n`.
-fn rows_cutoff(rows: &[(f64, TraceRecord)], n: usize) -> f64 {
-    if rows.len() < n {
-        return f64::INFINITY;
-    }
-    let mut times: Vec<f64> = rows.iter().map(|r| r.0).collect();
-    times.sort_by(f64::total_cmp);
-    times[n - 1]
 }
 
 /// Runs the demo.

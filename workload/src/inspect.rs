@@ -203,9 +203,8 @@ pub fn inspect(
 fn tokens_of(text: &str, max: usize) -> (Vec<u32>, usize) {
     let cut_bytes = max.saturating_mul(MAX_BYTES_PER_TOKEN);
     if text.len() <= cut_bytes {
-        let ids = Tokenizer.encode(text);
+        let mut ids = Tokenizer.encode(text);
         let n = ids.len();
-        let mut ids = ids;
         ids.truncate(max);
         return (ids, n);
     }
