@@ -37,10 +37,7 @@ with open(path, "w") as f:
                             "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}) + "\n")
 PY
 
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-wait_line() { for _ in $(seq 200); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done; echo "timed out: $2 in $1" >&2; exit 1; }
+source scripts/bench-common.sh
 
 $bin sim --port 0 --latency-model constant --time-to-first-token "$TTFT_MS" \
   --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \

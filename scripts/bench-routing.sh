@@ -28,14 +28,7 @@ bin=target/release/headroom
 slice="$OUT/trace.jsonl"
 sed -n "$((START + 1)),$((START + ROWS))p" "$TRACE" >"$slice"
 
-pids=()
-cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
-trap cleanup EXIT
-
-wait_line() { # file pattern
-  for _ in $(seq 200); do grep -q "$2" "$1" 2>/dev/null && return 0; sleep 0.05; done
-  echo "timed out waiting for $2 in $1" >&2; exit 1
-}
+source scripts/bench-common.sh
 
 $bin sim --replicas 4 --port 0 --profile llama-3.1-8b --gpu h100 >"$OUT/sims.url" 2>"$OUT/sims.log" &
 pids+=($!)
