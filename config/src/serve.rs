@@ -1,5 +1,8 @@
-//! `headroom serve` configuration: listeners, backends, routing, health, timeouts and limits.
+//! `headroom serve` configuration: listeners, backends, routing, health, timeouts, limits,
+//! measurement (classes and their SLOs) and trace capture.
 //! Every field has a default except the backends; `config/examples/headroom.toml` shows them all.
+
+use std::collections::BTreeMap;
 
 use serde::Deserialize;
 
@@ -41,6 +44,15 @@ pub struct ServeConfig {
     /// Request limits and retries.
     #[serde(default)]
     pub limits: LimitConfig,
+    /// Passive measurement.
+    #[serde(default)]
+    pub measure: MeasureConfig,
+    /// Traffic classes by name, with their latency objectives.
+    #[serde(default = "default_classes")]
+    pub classes: BTreeMap<String, ClassConfig>,
+    /// Recording every request as a trace.
+    #[serde(default)]
+    pub capture: CaptureConfig,
 }
 
 /// One replica.
@@ -207,6 +219,101 @@ impl Default for LimitConfig {
     }
 }
 
+/// Passive measurement of every request.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct MeasureConfig {
+    /// Ask streamed requests for the engine's usage chunk when the client did not, so token counts
+    /// are exact; the chunk is removed again before the client sees it.
+    pub inject_usage: bool,
+    /// Header whose value names the request's class (one of `classes`).
+    pub class_header: String,
+    /// The class of requests without a known class header.
+    pub default_class: String,
+}
+
+impl Default for MeasureConfig {
+    fn default() -> Self {
+        Self {
+            inject_usage: true,
+            class_header: "x-headroom-class".into(),
+            default_class: "default".into(),
+        }
+    }
+}
+
+/// One traffic class.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ClassConfig {
+    /// What a good request of the class achieved.
+    #[serde(default)]
+    pub slo: SloConfig,
+}
+
+/// Latency objectives; a request is good when it completed and met every one that is set.
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SloConfig {
+    /// Time to first token, ms.
+    pub ttft_ms: Option<f64>,
+    /// Time per output token after the first, ms.
+    pub tpot_ms: Option<f64>,
+    /// End-to-end time, ms.
+    pub e2e_ms: Option<f64>,
+}
+
+impl Default for SloConfig {
+    fn default() -> Self {
+        Self {
+            ttft_ms: Some(2_000.0),
+            tpot_ms: Some(100.0),
+            e2e_ms: None,
+        }
+    }
+}
+
+fn default_classes() -> BTreeMap<String, ClassConfig> {
+    BTreeMap::from([(
+        "default".to_owned(),
+        ClassConfig {
+            slo: SloConfig::default(),
+        },
+    )])
+}
+
+/// Trace capture: each finished request appended to a JSONL file, off the request path.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct CaptureConfig {
+    /// The file written; absent turns capture off. Rotated files get a UTC time suffix.
+    pub path: Option<String>,
+    /// Fraction of requests recorded (chosen by request id, so several proxies pick the same).
+    pub sample: f64,
+    /// Rotate when the file reaches this size.
+    pub rotate_bytes: u64,
+    /// Rotate when the file is this old; 0 never.
+    pub rotate_secs: u64,
+    /// Records waiting for the writer at most; beyond, records are dropped and counted.
+    pub buffer_records: usize,
+    /// Secret that keys the trace's hash ids; absent, a random one per process (ids then match
+    /// only within one process's captures).
+    pub id_key: Option<String>,
+}
+
+impl Default for CaptureConfig {
+    fn default() -> Self {
+        Self {
+            path: None,
+            sample: 1.0,
+            rotate_bytes: 256 << 20,
+            rotate_secs: 3_600,
+            buffer_records: 65_536,
+            id_key: None,
+        }
+    }
+}
+
 fn default_listen() -> String {
     "0.0.0.0:8080".into()
 }
@@ -242,6 +349,9 @@ impl ServeConfig {
             scrape: ScrapeConfig::default(),
             timeouts: TimeoutConfig::default(),
             limits: LimitConfig::default(),
+            measure: MeasureConfig::default(),
+            classes: default_classes(),
+            capture: CaptureConfig::default(),
         }
     }
 
@@ -430,6 +540,83 @@ impl Validate for ServeConfig {
             self.limits.max_body_bytes,
             "must be at least 1024",
         );
+        let m = &self.measure;
+        let mp = field_path(p, "measure");
+        check(
+            e,
+            !m.class_header.is_empty() && m.class_header.is_ascii(),
+            &mp,
+            "class_header",
+            &m.class_header,
+            "must be a header name",
+        );
+        let names: Vec<&str> = self.classes.keys().map(String::as_str).collect();
+        check(
+            e,
+            self.classes.contains_key(&m.default_class),
+            &mp,
+            "default_class",
+            &m.default_class,
+            &format!("must name a class in [classes] ({})", names.join(", ")),
+        );
+        for (name, c) in &self.classes {
+            let cp = field_path(p, &format!("classes.{name}.slo"));
+            for (field, v) in [
+                ("ttft_ms", c.slo.ttft_ms),
+                ("tpot_ms", c.slo.tpot_ms),
+                ("e2e_ms", c.slo.e2e_ms),
+            ] {
+                if let Some(v) = v {
+                    check(
+                        e,
+                        v.is_finite() && v > 0.0,
+                        &cp,
+                        field,
+                        v,
+                        "must be a positive number of ms",
+                    );
+                }
+            }
+        }
+        let c = &self.capture;
+        let cp = field_path(p, "capture");
+        if let Some(path) = &c.path {
+            check(e, !path.is_empty(), &cp, "path", "\"\"", "must name a file");
+        }
+        check(
+            e,
+            c.sample > 0.0 && c.sample <= 1.0,
+            &cp,
+            "sample",
+            c.sample,
+            "must be in (0, 1]",
+        );
+        check(
+            e,
+            c.rotate_bytes >= 4096,
+            &cp,
+            "rotate_bytes",
+            c.rotate_bytes,
+            "must be at least 4096",
+        );
+        check(
+            e,
+            c.buffer_records > 0,
+            &cp,
+            "buffer_records",
+            0,
+            "must be ≥ 1",
+        );
+        if let Some(k) = &c.id_key {
+            check(
+                e,
+                k.len() >= 16,
+                &cp,
+                "id_key",
+                "(secret)",
+                "must be at least 16 characters",
+            );
+        }
     }
 }
 
@@ -450,6 +637,15 @@ mod tests {
         assert_eq!(c.timeouts, TimeoutConfig::default());
         assert_eq!(c.limits, LimitConfig::default());
         assert_eq!(c.scrape, ScrapeConfig::default());
+        assert_eq!(c.measure, MeasureConfig::default());
+        assert_eq!(c.classes, default_classes());
+        assert_eq!(
+            c.capture,
+            CaptureConfig {
+                path: Some("captures/headroom.jsonl".into()),
+                ..CaptureConfig::default()
+            }
+        );
     }
 
     #[test]

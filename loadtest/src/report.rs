@@ -107,14 +107,12 @@ impl Slo {
     pub fn met(&self, r: &RequestResult) -> bool {
         let t = &r.timing;
         let ms = |d: std::time::Duration| d.as_secs_f64() * 1e3;
-        t.ok()
-            && self
-                .ttft_ms
-                .is_none_or(|b| t.ttft.is_some_and(|x| ms(x) <= b))
-            && self
-                .tpot_ms
-                .is_none_or(|b| t.tpot().is_none_or(|x| ms(x) <= b))
-            && self.e2el_ms.is_none_or(|b| ms(t.e2e) <= b)
+        let objectives = headroom_workload::measure::Objectives {
+            ttft_ms: self.ttft_ms,
+            tpot_ms: self.tpot_ms,
+            e2e_ms: self.e2el_ms,
+        };
+        t.ok() && objectives.met(t.ttft.map(ms), t.tpot().map(ms), ms(t.e2e))
     }
 }
 

@@ -4,12 +4,13 @@
 //! that never reaches an engine.
 
 use std::sync::Arc;
-use std::time::{Duration, Instant};
+use std::time::{Duration, Instant, SystemTime};
 
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use headroom_config::serve::ServeConfig;
-use headroom_workload::inspect::{Endpoint, InspectConfig, inspect};
+use headroom_workload::inspect::{Endpoint, InspectConfig, ask_for_usage, inspect};
+use headroom_workload::measure::ResponseMeter;
 use http::{Method, header};
 use pingora::connectors::http::Connector;
 use pingora::http::ResponseHeader;
@@ -18,8 +19,11 @@ use pingora::upstreams::peer::HttpPeer;
 
 use crate::error::{ErrorKind, ProxyError};
 use crate::forward::{Ended, Outgoing};
+use crate::record::PromptFacts;
 use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
 use crate::telemetry::Metrics;
+use crate::telemetry::capture::Capture;
+use crate::telemetry::stats::Stats;
 use crate::upstreams::Fleet;
 
 /// The proxy: shared by every connection.
@@ -40,6 +44,10 @@ pub struct Headroom {
     pub inspect: InspectConfig,
     /// For fan-out requests (`/v1/models`).
     pub http: reqwest::Client,
+    /// Sliding windows behind `/stats`.
+    pub stats: Arc<Stats>,
+    /// The trace capture, when configured.
+    pub capture: Option<Arc<Capture>>,
 }
 
 impl std::fmt::Debug for Headroom {
@@ -64,10 +72,26 @@ pub struct RequestCtx {
     pub status: u16,
     /// The response header has been sent.
     pub response_started: bool,
-    /// The first output-bearing event has been seen.
-    pub first_output_seen: bool,
     /// The client's `x-request-id`, or one made up for it.
     pub request_id: String,
+    /// Wall-clock arrival (trace timestamps).
+    pub arrival: SystemTime,
+    /// Pool the request belongs to.
+    pub pool: String,
+    /// Class the request belongs to.
+    pub class: String,
+    /// First dispatch to a replica (the end of queueing at the proxy).
+    pub dispatched: Option<Instant>,
+    /// The last attempt's dispatch.
+    pub sent: Option<Instant>,
+    /// The proxy asked for a usage chunk the client did not; it is cut out of the response.
+    pub strip_usage: bool,
+    /// What the response looked like, as it passed.
+    pub meter: Option<ResponseMeter>,
+    /// The response was relayed to its end.
+    pub completed: bool,
+    /// What inspection learnt (generation requests).
+    pub prompt: Option<PromptFacts>,
 }
 
 enum Route {
@@ -146,12 +170,30 @@ impl Headroom {
         if inspected.is_none() {
             self.metrics.uninspectable.inc();
         }
-        let session_key = session
-            .req_header()
-            .headers
-            .get(self.cfg.routing.session_header.as_str())
-            .and_then(|v| v.to_str().ok())
-            .map(str::to_owned);
+        let header = |name: &str| {
+            session
+                .req_header()
+                .headers
+                .get(name)
+                .and_then(|v| v.to_str().ok())
+                .map(str::to_owned)
+        };
+        let session_key = header(self.cfg.routing.session_header.as_str());
+        if let Some(class) = header(self.cfg.measure.class_header.as_str())
+            .filter(|c| self.cfg.classes.contains_key(c))
+        {
+            ctx.class = class;
+        }
+        let body = match inspected.as_ref() {
+            Some(i) if self.cfg.measure.inject_usage => match ask_for_usage(&body, i) {
+                Some(rewritten) => {
+                    ctx.strip_usage = true;
+                    Bytes::from(rewritten)
+                }
+                None => body,
+            },
+            _ => body,
+        };
         let route = RouteRequest {
             blocks: inspected.as_ref().map_or(&[], |i| &i.blocks),
             block_tokens: self.inspect.block_tokens,
@@ -166,11 +208,21 @@ impl Headroom {
             record: true,
             model: inspected.as_ref().and_then(|i| i.model.as_deref()),
         };
-        let ended = self
-            .forward(session, ctx, out, self.policy.as_ref())
-            .await?;
-        if let Ended::ClientGone = ended {
-            ctx.status = 499;
+        let ended = self.forward(session, ctx, out, self.policy.as_ref()).await;
+        ctx.prompt = inspected.map(|i| PromptFacts {
+            endpoint: ctx.route,
+            model: i.model,
+            stream: i.stream,
+            max_tokens: i.max_tokens,
+            prompt_tokens: i.prompt_tokens,
+            blocks: i.blocks,
+            tail_hash: i.tail_hash,
+            session: session_key,
+        });
+        match ended? {
+            Ended::ClientGone => ctx.status = 499,
+            Ended::Complete => ctx.completed = true,
+            Ended::UpstreamCut => {}
         }
         Ok(())
     }
@@ -337,8 +389,16 @@ impl ProxyHttp for Headroom {
             backend: None,
             status: 0,
             response_started: false,
-            first_output_seen: false,
             request_id: String::new(),
+            arrival: SystemTime::now(),
+            pool: "default".into(),
+            class: self.cfg.measure.default_class.clone(),
+            dispatched: None,
+            sent: None,
+            strip_usage: false,
+            meter: None,
+            completed: false,
+            prompt: None,
         }
     }
 
@@ -365,6 +425,7 @@ impl ProxyHttp for Headroom {
         ctx: &mut RequestCtx,
     ) -> pingora::Result<bool> {
         ctx.start = Instant::now();
+        ctx.arrival = SystemTime::now();
         ctx.request_id = request_id(session);
         if let Err(e) = self.handle(session, ctx).await {
             self.metrics
@@ -390,5 +451,8 @@ impl ProxyHttp for Headroom {
             .requests
             .with_label_values(&[ctx.route, ctx.backend.as_deref().unwrap_or("none"), &status])
             .inc();
+        if matches!(ctx.route, "chat" | "completions") {
+            self.finish_record(ctx);
+        }
     }
 }

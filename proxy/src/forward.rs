@@ -5,11 +5,10 @@
 //! The request body is read whole by the proxy first (routing needs the prompt), so any retry
 //! re-sends exactly the bytes the client sent, whatever their size.
 
-use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
-use headroom_workload::sse::{SseParser, is_output_event};
+use headroom_workload::measure::ResponseMeter;
 use http::header;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession as UpstreamSession;
@@ -192,6 +191,9 @@ impl Headroom {
             let uncached = out.route.prompt_tokens.saturating_sub(pick.matched_tokens);
             let mut guard = InFlight::new(backend.clone(), u64::from(uncached));
 
+            let now = Instant::now();
+            ctx.dispatched.get_or_insert(now);
+            ctx.sent = Some(now);
             let started = match self
                 .start(session, &backend, &out.body, &ctx.request_id)
                 .await
@@ -319,6 +321,7 @@ impl Headroom {
             .get(header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
             .is_some_and(|v| v.starts_with("text/event-stream"));
+        let has_length = resp.headers.contains_key(header::CONTENT_LENGTH);
         let end_now = up.response_done();
         if session
             .write_response_header(Box::new(resp), false)
@@ -328,7 +331,44 @@ impl Headroom {
             return self.client_gone(&backend);
         }
         ctx.response_started = true;
-        let mut parser = is_sse.then(SseParser::new);
+        // A usage chunk the proxy asked for is cut out again; a response with a fixed length is
+        // passed through whole (it cannot be shortened).
+        let strip = ctx.strip_usage && !has_length;
+        let mut meter = ResponseMeter::new(is_sse, strip);
+        let ended = if end_now {
+            Ended::Complete
+        } else {
+            self.pump(session, &mut up, &mut meter, guard, is_sse).await
+        };
+        let rest = meter.finish(std::time::Instant::now(), matches!(ended, Ended::Complete));
+        ctx.meter = Some(meter);
+        if !matches!(ended, Ended::Complete) {
+            return ended;
+        }
+        if rest.is_some() && session.write_response_body(rest, false).await.is_err() {
+            return self.client_gone(&backend);
+        }
+        if session.write_response_body(None, true).await.is_err() {
+            return self.client_gone(&backend);
+        }
+        let pool_idle = Duration::from_millis(self.cfg.timeouts.pool_idle_ms);
+        self.connector
+            .release_http_session(up, &peer, Some(pool_idle))
+            .await;
+        Ended::Complete
+    }
+
+    /// Moves the body from the replica to the client through the meter until the replica ends
+    /// it, fails, falls silent, or the client goes away.
+    async fn pump(
+        &self,
+        session: &mut Session,
+        up: &mut UpstreamSession,
+        meter: &mut ResponseMeter,
+        guard: &mut InFlight,
+        is_sse: bool,
+    ) -> Ended {
+        let backend = guard.backend().clone();
         // Engines send the header at once and the first chunk after queueing and prefill, so the
         // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
         let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
@@ -338,8 +378,7 @@ impl Headroom {
         let mut last_chunk = tokio::time::Instant::now();
         let silence = tokio::time::sleep_until(last_chunk + wait);
         tokio::pin!(silence);
-        let mut done = end_now;
-        while !done {
+        loop {
             tokio::select! {
                 r = up.read_response_body() => match r {
                     Ok(Some(chunk)) => {
@@ -349,19 +388,17 @@ impl Headroom {
                             wait = idle;
                             silence.as_mut().reset(last_chunk + idle);
                         }
-                        if let Some(p) = parser.as_mut() {
-                            let mut output = false;
-                            p.feed(&chunk, |ev| output |= is_output_event(&ev.data));
-                            if output {
-                                self.first_output(ctx, guard, &backend);
-                                parser = None;
+                        let passed = meter.on_chunk(chunk, last_chunk.into_std());
+                        if passed.first_output {
+                            guard.first_output();
+                        }
+                        if let Some(bytes) = passed.forward {
+                            if session.write_response_body(Some(bytes), false).await.is_err() {
+                                return self.client_gone(&backend);
                             }
                         }
-                        if session.write_response_body(Some(chunk), false).await.is_err() {
-                            return self.client_gone(&backend);
-                        }
                     }
-                    Ok(None) => done = true,
+                    Ok(None) => return Ended::Complete,
                     Err(_) => return self.upstream_cut(session, &backend, is_sse, None).await,
                 },
                 () = &mut silence => {
@@ -376,34 +413,6 @@ impl Headroom {
                 }
             }
         }
-        if session.write_response_body(None, true).await.is_err() {
-            return self.client_gone(&backend);
-        }
-        if !ctx.first_output_seen {
-            // A non-streamed answer: its first output is its end.
-            self.first_output(ctx, guard, &backend);
-        }
-        self.metrics
-            .e2e
-            .with_label_values(&[&backend.name])
-            .observe(ctx.start.elapsed().as_secs_f64());
-        let pool_idle = Duration::from_millis(self.cfg.timeouts.pool_idle_ms);
-        self.connector
-            .release_http_session(up, &peer, Some(pool_idle))
-            .await;
-        Ended::Complete
-    }
-
-    fn first_output(&self, ctx: &mut RequestCtx, guard: &mut InFlight, backend: &Arc<Backend>) {
-        if ctx.first_output_seen {
-            return;
-        }
-        ctx.first_output_seen = true;
-        guard.first_output();
-        self.metrics
-            .ttft
-            .with_label_values(&[&backend.name])
-            .observe(ctx.start.elapsed().as_secs_f64());
     }
 
     fn client_gone(&self, backend: &Backend) -> Ended {

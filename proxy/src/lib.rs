@@ -5,12 +5,14 @@
 //! - `forward`: one request's exchange with the replicas (retries, streaming relay, cancellation)
 //! - `routing/`: pure, synchronous policies and the prefix index
 //! - `upstreams/`: the fleet, in-flight guards, health probes, engine-metrics scraping
-//! - `telemetry/`: Prometheus metrics
+//! - `record`: the end of each generation request's timing record (metrics, goodput, capture)
+//! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
 //! - `error`: proxy-made answers and their HTTP statuses, in one place
 
 pub mod app;
 pub mod error;
 pub mod forward;
+pub mod record;
 pub mod routing;
 pub mod server;
 pub mod telemetry;

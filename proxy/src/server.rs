@@ -23,6 +23,8 @@ use crate::routing::{
     ConsistentHash, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin, RoutingPolicy, Session,
 };
 use crate::telemetry::Metrics;
+use crate::telemetry::capture::Capture;
+use crate::telemetry::stats::Stats;
 use crate::upstreams::Fleet;
 use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
 
@@ -32,6 +34,9 @@ pub enum ServeError {
     /// The config names something unusable (e.g. a backend that does not resolve).
     #[error("{0}")]
     Config(String),
+    /// The trace capture file could not be opened.
+    #[error("{0}")]
+    Capture(#[from] crate::telemetry::capture::CaptureError),
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {source}")]
     Bind {
@@ -53,17 +58,32 @@ pub struct ServeHandle {
     pub fleet: Arc<Fleet>,
     /// The proxy's metrics.
     pub metrics: Arc<Metrics>,
+    /// The `/stats` windows.
+    pub stats: Arc<Stats>,
+    /// The trace capture, when configured.
+    pub capture: Option<Arc<Capture>>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
 impl ServeHandle {
-    /// Stops accepting, stops the background loops and waits for them.
-    pub async fn shutdown(self) {
+    /// Stops accepting, stops the background loops and waits for them, then flushes the capture.
+    pub async fn shutdown(mut self) {
         let _ = self.stop.send(true);
-        for t in self.tasks {
+        for t in std::mem::take(&mut self.tasks) {
             let _ = t.await;
         }
+        self.flush_capture().await;
+    }
+
+    /// Waits until every trace record of a finished request is on disk (at most 10 s).
+    pub async fn flush_capture(&self) -> bool {
+        let Some(c) = self.capture.clone() else {
+            return true;
+        };
+        tokio::task::spawn_blocking(move || c.flush(Duration::from_secs(10)))
+            .await
+            .unwrap_or(false)
     }
 }
 
@@ -97,6 +117,8 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         Arc::new(Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?);
     let policy = build_policy(&cfg);
     let metrics = Arc::new(Metrics::new());
+    let stats = Arc::new(Stats::default());
+    let capture = Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new);
     let http = reqwest::Client::builder()
         .pool_idle_timeout(Duration::from_secs(30))
         .build()
@@ -114,6 +136,8 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
             hash_seed: cfg.routing.hash_seed,
         },
         http: http.clone(),
+        stats: stats.clone(),
+        capture: capture.clone(),
     };
 
     let bind = |addr: String| async move {
@@ -141,7 +165,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     ));
     tasks.push(tokio::spawn(accept_loop(listener, app, stop_rx.clone())));
 
-    let admin = admin_router(fleet.clone(), metrics.clone());
+    let admin = admin_router(fleet.clone(), metrics.clone(), stats.clone());
     let mut admin_stop = stop_rx.clone();
     tasks.push(tokio::spawn(async move {
         let _ = axum::serve(admin_listener, admin)
@@ -181,6 +205,8 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         admin_addr,
         fleet,
         metrics,
+        stats,
+        capture,
         stop,
         tasks,
     })
@@ -217,9 +243,23 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
     }
 }
 
-fn admin_router(fleet: Arc<Fleet>, metrics: Arc<Metrics>) -> Router {
+fn admin_router(fleet: Arc<Fleet>, metrics: Arc<Metrics>, stats: Arc<Stats>) -> Router {
     let ready_fleet = fleet.clone();
+    let (stats_fleet, stats_metrics) = (fleet.clone(), metrics.clone());
     Router::new()
+        .route(
+            "/stats",
+            get(move || {
+                let (fleet, metrics, stats) =
+                    (stats_fleet.clone(), stats_metrics.clone(), stats.clone());
+                async move {
+                    axum::Json(serde_json::json!({
+                        "windows": stats.snapshot(std::time::Instant::now()),
+                        "backends": metrics.backend_stats(&fleet),
+                    }))
+                }
+            }),
+        )
         .route(
             "/metrics",
             get(move || {

@@ -25,7 +25,7 @@ use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::blocks::{BlockHash, BlockHasher};
-use crate::openai::{ChatMessage, GenerationParams, Prompt, render_chat};
+use crate::openai::{ChatMessage, GenerationParams, Prompt, StreamOptions, render_chat};
 use crate::tokenizer::Tokenizer;
 
 /// Token id of `<|begin_of_text|>`, which engines prepend to a completion prompt.
@@ -86,6 +86,8 @@ pub struct Inspected {
     pub stream: bool,
     /// Whether the client asked for a usage chunk (`stream_options.include_usage`).
     pub include_usage: bool,
+    /// The request's `stream_options`, as sent.
+    pub stream_options: Option<StreamOptions>,
     /// `max_completion_tokens`, else `max_tokens`.
     pub max_tokens: Option<i64>,
     /// Prompt tokens (exact when `hashed_tokens` covers the prompt, else estimated).
@@ -94,6 +96,9 @@ pub struct Inspected {
     pub hashed_tokens: u32,
     /// Chained hashes of the prompt's full blocks, from the start, up to the cap.
     pub blocks: Vec<BlockHash>,
+    /// When the whole prompt was hashed: the hash of its tokens after the last full block,
+    /// chained to that block, so it stands for the exact prompt.
+    pub tail_hash: Option<BlockHash>,
     /// Temperature 0 or a fixed seed: the output is reproducible.
     pub deterministic: bool,
 }
@@ -186,16 +191,25 @@ pub fn inspect(
     let extra = params.cache_salt.as_deref().unwrap_or("").as_bytes();
     let blocks = hasher.hash_all(&tokens, extra);
     let hashed_tokens = (blocks.len() * hasher.block_size()) as u32;
+    let tail_hash = (tokens.len() == prompt_tokens).then(|| {
+        hasher.hash_block(
+            blocks.last().copied(),
+            &tokens[hashed_tokens as usize..],
+            extra,
+        )
+    });
     Ok(Inspected {
         endpoint,
         stream: params.stream,
         include_usage: params.include_usage(),
+        stream_options: params.stream_options.clone(),
         max_tokens: params.requested_max_tokens(),
         deterministic: params.temperature == Some(0.0) || params.seed.is_some(),
         model: params.model,
         prompt_tokens: (prompt_tokens + extra_prompt_tokens).min(u32::MAX as usize) as u32,
         hashed_tokens,
         blocks,
+        tail_hash,
     })
 }
 
@@ -218,6 +232,48 @@ fn tokens_of(text: &str, max: usize) -> (Vec<u32>, usize) {
     let estimate = (ids.len() as f64 * text.len() as f64 / cut as f64).ceil() as usize;
     ids.truncate(max);
     (ids, estimate)
+}
+
+/// The body with `stream_options.include_usage` set, for a streamed request that did not ask for
+/// the usage chunk (so token counts are exact); `None` when nothing is to change: not streamed,
+/// already asked, or `continuous_usage_stats` set (asking would add usage to every chunk).
+///
+/// Without `stream_options` the member is inserted first in the object, leaving every other byte
+/// as sent; otherwise the object is re-serialized with its members in their order.
+pub fn ask_for_usage(body: &[u8], inspected: &Inspected) -> Option<Vec<u8>> {
+    if !inspected.stream || inspected.include_usage {
+        return None;
+    }
+    match &inspected.stream_options {
+        Some(o) if o.continuous_usage_stats => None,
+        Some(_) => {
+            let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+            let opts = v.get_mut("stream_options")?.as_object_mut()?;
+            opts.insert("include_usage".into(), serde_json::Value::Bool(true));
+            serde_json::to_vec(&v).ok()
+        }
+        None => {
+            let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
+            if body[open] != b'{' {
+                return None;
+            }
+            let after = &body[open + 1..];
+            let empty = after
+                .iter()
+                .find(|b| !b.is_ascii_whitespace())
+                .is_none_or(|&b| b == b'}');
+            let member: &[u8] = if empty {
+                br#""stream_options":{"include_usage":true}"#
+            } else {
+                br#""stream_options":{"include_usage":true},"#
+            };
+            let mut out = Vec::with_capacity(body.len() + member.len());
+            out.extend_from_slice(&body[..=open]);
+            out.extend_from_slice(member);
+            out.extend_from_slice(after);
+            Some(out)
+        }
+    }
 }
 
 #[cfg(test)]
@@ -361,6 +417,42 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(body)
             );
+        }
+    }
+
+    #[test]
+    fn usage_is_asked_for_only_where_it_changes_nothing_else() {
+        let cfg = InspectConfig::default();
+        let ask = |body: &str| {
+            let i = inspect(Endpoint::Chat, body.as_bytes(), &cfg).unwrap();
+            ask_for_usage(body.as_bytes(), &i).map(|b| String::from_utf8(b).unwrap())
+        };
+        let msgs = r#""messages":[{"role":"user","content":"hi"}]"#;
+        assert_eq!(
+            ask(&format!(r#" {{ {msgs}, "stream": true}}"#)).as_deref(),
+            Some(
+                format!(
+                    r#" {{"stream_options":{{"include_usage":true}}, {msgs}, "stream": true}}"#
+                )
+                .as_str()
+            )
+        );
+        let rewritten = ask(&format!(
+            r#"{{{msgs},"stream":true,"stream_options":{{"include_usage":false}},"n":1}}"#
+        ))
+        .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&rewritten).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert!(rewritten.ends_with(r#""n":1}"#), "{rewritten}");
+        for unchanged in [
+            format!(r#"{{{msgs}}}"#),
+            format!(r#"{{{msgs},"stream":false}}"#),
+            format!(r#"{{{msgs},"stream":true,"stream_options":{{"include_usage":true}}}}"#),
+            format!(
+                r#"{{{msgs},"stream":true,"stream_options":{{"continuous_usage_stats":true}}}}"#
+            ),
+        ] {
+            assert_eq!(ask(&unchanged), None, "{unchanged}");
         }
     }
 }

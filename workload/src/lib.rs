@@ -4,6 +4,7 @@
 pub mod blocks;
 pub mod engine_metrics;
 pub mod inspect;
+pub mod measure;
 pub mod openai;
 pub mod realtime;
 pub mod sse;

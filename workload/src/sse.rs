@@ -53,6 +53,21 @@ impl SseParser {
 
     /// Parses `chunk`, calling `on_event` for each event it completes.
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent)) {
+        self.feed_with_ends(chunk, |_, ev| {
+            if let Some(ev) = ev {
+                on_event(ev);
+            }
+        });
+    }
+
+    /// Parses `chunk`, calling `on_end(offset, event)` at every blank line, the end of an event
+    /// in the byte stream: `offset` is where the next event starts in `chunk`, and `event` is the
+    /// one dispatched there (`None` for a blank line after comments or nothing).
+    pub fn feed_with_ends(
+        &mut self,
+        chunk: &[u8],
+        mut on_end: impl FnMut(usize, Option<SseEvent>),
+    ) {
         let mut rest = chunk;
         if self.after_cr {
             self.after_cr = false;
@@ -71,12 +86,17 @@ impl SseParser {
                     _ => {}
                 }
             }
+            let offset = chunk.len() - rest.len();
             if self.line.is_empty() {
-                self.process_line(piece, &mut on_event);
+                if let Some(ev) = self.process_line(piece) {
+                    on_end(offset, ev);
+                }
             } else {
                 self.line.extend_from_slice(piece);
                 let line = std::mem::take(&mut self.line);
-                self.process_line(&line, &mut on_event);
+                if let Some(ev) = self.process_line(&line) {
+                    on_end(offset, ev);
+                }
                 self.line = line;
                 self.line.clear();
             }
@@ -96,18 +116,18 @@ impl SseParser {
         self.line.len() + self.pending.data.len()
     }
 
-    fn process_line(&mut self, line: &[u8], on_event: &mut impl FnMut(SseEvent)) {
+    /// Processes one line; `Some` at a blank line, carrying the event it dispatched, if any.
+    fn process_line(&mut self, line: &[u8]) -> Option<Option<SseEvent>> {
         if line.is_empty() {
             if self.has_data {
                 self.has_data = false;
-                on_event(std::mem::take(&mut self.pending));
-            } else {
-                self.pending = SseEvent::default();
+                return Some(Some(std::mem::take(&mut self.pending)));
             }
-            return;
+            self.pending = SseEvent::default();
+            return Some(None);
         }
         if line[0] == b':' {
-            return;
+            return None;
         }
         let (field, value) = match line.iter().position(|&b| b == b':') {
             Some(i) => {
@@ -129,65 +149,13 @@ impl SseParser {
             b"id" => self.pending.id = Some(value.into_owned()),
             _ => {}
         }
+        None
     }
-}
-
-/// Whether an OpenAI-compatible stream event carries output: a choice with generated text
-/// (`delta.content`, `delta.reasoning_content`, `text`), tool calls, or a finish reason. A chunk
-/// that only announces the assistant role, a usage-only chunk, an error and `[DONE]` do not.
-pub fn is_output_event(data: &str) -> bool {
-    if data == DONE {
-        return false;
-    }
-    let Ok(v) = serde_json::from_str::<serde_json::Value>(data) else {
-        return false;
-    };
-    let nonempty =
-        |v: Option<&serde_json::Value>| v.and_then(|s| s.as_str()).is_some_and(|s| !s.is_empty());
-    v.get("choices")
-        .and_then(|c| c.as_array())
-        .is_some_and(|choices| {
-            choices.iter().any(|c| {
-                let delta = c.get("delta");
-                nonempty(c.get("text"))
-                    || nonempty(delta.and_then(|d| d.get("content")))
-                    || nonempty(delta.and_then(|d| d.get("reasoning_content")))
-                    || delta
-                        .and_then(|d| d.get("tool_calls"))
-                        .and_then(|t| t.as_array())
-                        .is_some_and(|t| !t.is_empty())
-                    || c.get("finish_reason").is_some_and(|f| !f.is_null())
-            })
-        })
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
-
-    #[test]
-    fn output_events_are_told_from_role_usage_and_done() {
-        let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
-        let text = r#"{"choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":null}]}"#;
-        let completion = r#"{"choices":[{"index":0,"text":" hi","finish_reason":null}]}"#;
-        let finish = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
-        let tools = r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#;
-        let usage = r#"{"choices":[],"usage":{"prompt_tokens":3}}"#;
-        let error = r#"{"error":{"message":"x"}}"#;
-        for (data, want) in [
-            (role, false),
-            (text, true),
-            (completion, true),
-            (finish, true),
-            (tools, true),
-            (usage, false),
-            (error, false),
-            (DONE, false),
-            ("not json", false),
-        ] {
-            assert_eq!(is_output_event(data), want, "{data}");
-        }
-    }
 
     fn parse_all(chunks: &[&[u8]]) -> Vec<SseEvent> {
         let mut p = SseParser::new();

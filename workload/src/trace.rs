@@ -62,9 +62,18 @@ pub struct TraceRecord {
     /// Measured time to first token, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub ttft_ms: Option<f64>,
+    /// Time per output token after the first, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub tpot_ms: Option<f64>,
     /// Mean inter-token latency, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub itl_mean_ms: Option<f64>,
+    /// Median inter-token gap, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_p50_ms: Option<f64>,
+    /// 99th-percentile inter-token gap, ms.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub itl_p99_ms: Option<f64>,
     /// Largest inter-token gap, ms.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub itl_max_ms: Option<f64>,
@@ -74,6 +83,12 @@ pub struct TraceRecord {
     /// `stop`, `length`, `abort`, ….
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub finish_reason: Option<String>,
+    /// Prompt tokens the engine served from its prefix cache, when it reports them.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub cached_tokens: Option<u64>,
+    /// Whether it met its class's latency objectives.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub good: Option<bool>,
 }
 
 impl TraceRecord {
@@ -104,11 +119,12 @@ pub enum TraceError {
     },
 }
 
-/// Reads a headroom or Mooncake JSONL trace. Blank lines are skipped; timestamps must not go
-/// backwards; `hash_ids`, when present, must cover the prompt.
+/// Reads a headroom or Mooncake JSONL trace. Blank lines are skipped; `hash_ids`, when present,
+/// must cover the prompt. Records come back in timestamp order: a capture writes each request
+/// when it finishes, so its arrival timestamps are not in file order (the sort is stable).
 pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
-    let mut out = Vec::new();
-    let mut last = 0;
+    let mut out: Vec<TraceRecord> = Vec::new();
+    let mut sorted = true;
     for (i, line) in reader.lines().enumerate() {
         let line_no = i + 1;
         let line = line.map_err(|source| TraceError::Io {
@@ -122,13 +138,7 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> 
             line: line_no,
             reason: e.to_string(),
         })?;
-        if r.timestamp < last {
-            return Err(TraceError::Invalid {
-                line: line_no,
-                reason: format!("timestamp {} goes back from {last}", r.timestamp),
-            });
-        }
-        last = r.timestamp;
+        sorted &= out.last().is_none_or(|p| p.timestamp <= r.timestamp);
         if r.input_length == 0 {
             return Err(TraceError::Invalid {
                 line: line_no,
@@ -148,6 +158,9 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> 
             });
         }
         out.push(r);
+    }
+    if !sorted {
+        out.sort_by_key(|r| r.timestamp);
     }
     Ok(out)
 }
@@ -174,6 +187,56 @@ pub fn fill_unique_hash_ids(records: &mut [TraceRecord]) {
         r.hash_ids = (next..next + u64::from(n)).collect();
         next += u64::from(n);
     }
+}
+
+/// Trace hash ids for a request the proxy saw: one per [`MOONCAKE_BLOCK_TOKENS`] tokens of
+/// `input_length`, derived from the prompt's chain of `block_tokens`-token block hashes.
+///
+/// ```text
+/// id_k = key(blocks[512(k+1)/block_tokens − 1])   a full 512-token block the chain covers
+///      = key(tail_hash)                           the last, partial block of a fully hashed prompt
+///      = key(unique ‖ k)                          beyond what was hashed: shares nothing
+/// key(x) = first 53 bits of sha256(id_key ‖ x)    (53 bits: exact as a JSON number everywhere)
+/// ```
+///
+/// A block hash covers everything before it, so two requests get equal ids at position k exactly
+/// when their prompts agree up to that block's end: Mooncake's meaning. Keying with a secret
+/// `id_key` means nobody can test a guessed prompt against a capture.
+pub fn capture_hash_ids(
+    blocks: &[u64],
+    block_tokens: u32,
+    tail_hash: Option<u64>,
+    input_length: u32,
+    id_key: &[u8],
+    unique: u64,
+) -> Vec<u64> {
+    use sha2::{Digest, Sha256};
+    let key = |parts: &[u64]| {
+        let mut h = Sha256::new();
+        h.update(id_key);
+        for p in parts {
+            h.update(p.to_le_bytes());
+        }
+        let d = h.finalize();
+        u64::from_le_bytes(d[..8].try_into().unwrap_or_default()) & ((1 << 53) - 1)
+    };
+    let per = MOONCAKE_BLOCK_TOKENS;
+    let n = input_length.div_ceil(per);
+    let bt = block_tokens.max(1);
+    (0..n)
+        .map(|k| {
+            let end = (k + 1) * per;
+            if end <= input_length && end % bt == 0 {
+                if let Some(b) = blocks.get((end / bt) as usize - 1) {
+                    return key(&[*b]);
+                }
+            }
+            match tail_hash {
+                Some(t) if k + 1 == n && end > input_length => key(&[t, 1]),
+                _ => key(&[unique, u64::from(k), 2]),
+            }
+        })
+        .collect()
 }
 
 /// Parses `YYYY-MM-DD HH:MM:SS[.fffffff]` into milliseconds since the Unix epoch (UTC).
@@ -416,11 +479,14 @@ mod tests {
 
     #[test]
     fn bad_lines_are_named() {
-        let err = read_jsonl("{\"timestamp\":5,\"input_length\":1,\"output_length\":1}\n{\"timestamp\":4,\"input_length\":1,\"output_length\":1}".as_bytes()).unwrap_err();
-        assert!(
-            err.to_string()
-                .contains("line 2: timestamp 4 goes back from 5"),
-            "{err}"
+        let out_of_order = read_jsonl("{\"timestamp\":5,\"input_length\":1,\"output_length\":1}\n{\"timestamp\":4,\"input_length\":2,\"output_length\":1}".as_bytes()).unwrap();
+        assert_eq!(
+            out_of_order
+                .iter()
+                .map(|r| r.input_length)
+                .collect::<Vec<_>>(),
+            vec![2, 1],
+            "completion-ordered captures read back in arrival order"
         );
         let err = read_jsonl(
             "{\"timestamp\":1,\"input_length\":1000,\"output_length\":1,\"hash_ids\":[1]}"
@@ -491,6 +557,53 @@ mod tests {
         assert_eq!(
             parse_datetime_ms("2023-11-16 18:15:46"),
             Some(1_700_158_546_000.0)
+        );
+    }
+
+    #[test]
+    fn capture_ids_share_exactly_the_shared_512_token_prefix() {
+        use crate::inspect::{Endpoint, InspectConfig, inspect};
+        let cfg = InspectConfig::default();
+        let words = |seed: u64, n: usize| -> String {
+            (0..n)
+                .map(|i| crate::words::spaced_word(seed * 1_000_003 + i as u64))
+                .collect()
+        };
+        // Completion prompts: BOS + text, so 1 + n tokens.
+        let shared = words(1, 1023);
+        let prompts = [
+            format!("{shared}{}", words(2, 300)),
+            format!("{shared}{}", words(3, 300)),
+            format!("{}{}", words(4, 511), words(2, 812)),
+        ];
+        let ids: Vec<Vec<u64>> = prompts
+            .iter()
+            .enumerate()
+            .map(|(i, p)| {
+                let body = serde_json::json!({"model": "m", "prompt": p}).to_string();
+                let r = inspect(Endpoint::Completions, body.as_bytes(), &cfg).unwrap();
+                assert_eq!(r.prompt_tokens, 1324);
+                capture_hash_ids(&r.blocks, 16, r.tail_hash, r.prompt_tokens, b"k", i as u64)
+            })
+            .collect();
+        assert!(ids.iter().all(|v| v.len() == 3));
+        assert_eq!(ids[0][..2], ids[1][..2]);
+        assert_ne!(ids[0][2], ids[1][2]);
+        assert_ne!(ids[0][0], ids[2][0]);
+        assert!(ids.iter().flatten().all(|&id| id < 1 << 53));
+        // Another key gives unrelated ids; beyond the hashed part ids are unique per request.
+        let other = capture_hash_ids(&[7; 64], 16, None, 1100, b"other", 0);
+        assert_ne!(
+            other[0],
+            capture_hash_ids(&[7; 64], 16, None, 1100, b"k", 0)[0]
+        );
+        assert_ne!(
+            other[2],
+            capture_hash_ids(&[7; 64], 16, None, 1100, b"other", 1)[2]
+        );
+        assert_eq!(
+            other[1],
+            capture_hash_ids(&[7; 64], 16, None, 1100, b"other", 1)[1]
         );
     }
 }

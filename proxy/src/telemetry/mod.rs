@@ -1,5 +1,9 @@
 //! The proxy's Prometheus metrics (`headroom_` names, base units), and the per-replica gauges that
 //! are read from the fleet when `/metrics` is scraped rather than updated on the request path.
+//! `stats` keeps the sliding windows behind `/stats`; `capture` writes the trace.
+
+pub mod capture;
+pub mod stats;
 
 use std::sync::Mutex;
 
@@ -17,9 +21,9 @@ type FloatGaugeVec = GenericGaugeVec<AtomicF64>;
 
 /// Latency buckets in seconds: 1 ms steps where decisions are made, wider in the tail.
 pub const LATENCY_BUCKETS: &[f64] = &[
-    0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04, 0.05, 0.075, 0.1,
-    0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 60.0,
-    120.0, 300.0,
+    0.00025, 0.0005, 0.001, 0.002, 0.003, 0.004, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.03, 0.04,
+    0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0, 7.5, 10.0, 15.0,
+    20.0, 30.0, 60.0, 120.0, 300.0,
 ];
 
 /// Every metric the proxy exports.
@@ -40,10 +44,36 @@ pub struct Metrics {
     pub routed_prompt_tokens: IntCounter,
     /// Prompt tokens the policy expected the chosen replica to have cached.
     pub routed_matched_tokens: IntCounter,
-    /// Time from request arrival to the first output-bearing event, by backend.
+    /// Arrival to the first output-bearing event, by pool, class and backend.
     pub ttft: HistogramVec,
-    /// Time from request arrival to the end of the response, by backend.
+    /// Gaps between output-bearing events, by pool, class and backend.
+    pub itl: HistogramVec,
+    /// Time per output token after the first, by pool, class and backend.
+    pub tpot: HistogramVec,
+    /// Arrival to the end of the response, by pool, class and backend.
     pub e2e: HistogramVec,
+    /// Arrival to dispatch (body, inspection, routing; admission once it queues), by pool, class
+    /// and backend.
+    pub queue: HistogramVec,
+    /// Dispatch to the first output-bearing event: the engine's queue and prefill as the proxy
+    /// sees them, by pool, class and backend.
+    pub prefill: HistogramVec,
+    /// Prompt tokens of finished generation requests (usage, else the proxy's count).
+    pub prompt_tokens: IntCounterVec,
+    /// Output tokens of finished generation requests.
+    pub completion_tokens: IntCounterVec,
+    /// Finished generation requests by SLO result (`good`, `slow`, `failed`).
+    pub slo_requests: IntCounterVec,
+    /// Completed requests that missed an objective, by objective.
+    pub slo_missed: IntCounterVec,
+    /// Requests that completed within their class's objectives.
+    pub goodput_requests: IntCounterVec,
+    /// Output tokens of good requests.
+    pub goodput_tokens: IntCounterVec,
+    /// Trace capture counters.
+    pub capture: capture::CaptureCounters,
+    /// Requests not captured, by reason.
+    pub capture_skipped: IntCounterVec,
     /// Time spent routing (inspection excluded).
     pub route_seconds: Histogram,
     /// Responses cut by the replica or an idle timeout after they started, by backend.
@@ -79,6 +109,9 @@ struct BackendTotals {
     ejections: f64,
     engine: EngineGauges,
 }
+
+/// Labels of per-request measurements.
+pub const LABELS: &[&str] = &["pool", "class", "backend"];
 
 fn counter(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
@@ -148,13 +181,85 @@ impl Metrics {
             .expect("valid metric"),
             ttft: latency(
                 "headroom_request_ttft_seconds",
-                "Request arrival to the first output-bearing event.",
-                &["backend"],
+                "Request arrival to the first output-bearing event (a non-streamed response: its end).",
+                LABELS,
+            ),
+            itl: latency(
+                "headroom_request_itl_seconds",
+                "Gaps between consecutive output-bearing events of a stream.",
+                LABELS,
+            ),
+            tpot: latency(
+                "headroom_request_tpot_seconds",
+                "(last output event - first output event) / (output tokens - 1), streams with 2+ tokens.",
+                LABELS,
             ),
             e2e: latency(
                 "headroom_request_e2e_seconds",
                 "Request arrival to the end of the response.",
-                &["backend"],
+                LABELS,
+            ),
+            queue: latency(
+                "headroom_request_queue_seconds",
+                "Request arrival to dispatch to a replica (body read, inspection, routing, admission).",
+                LABELS,
+            ),
+            prefill: latency(
+                "headroom_request_prefill_seconds",
+                "Dispatch to the first output-bearing event: the engine's queue and prefill, seen from the proxy.",
+                LABELS,
+            ),
+            prompt_tokens: counter(
+                "headroom_prompt_tokens_total",
+                "Prompt tokens of finished generation requests (engine usage, else the proxy's count).",
+                LABELS,
+            ),
+            completion_tokens: counter(
+                "headroom_completion_tokens_total",
+                "Output tokens of finished generation requests (engine usage, else output events).",
+                LABELS,
+            ),
+            slo_requests: counter(
+                "headroom_slo_requests_total",
+                "Finished generation requests by result: good (completed within every objective), slow (completed, missed one), failed.",
+                &["pool", "class", "result"],
+            ),
+            slo_missed: counter(
+                "headroom_slo_missed_total",
+                "Completed requests that missed an objective, by objective (ttft, tpot, e2e).",
+                &["pool", "class", "objective"],
+            ),
+            goodput_requests: counter(
+                "headroom_goodput_requests_total",
+                "Requests that completed within their class's objectives; its rate is goodput.",
+                &["pool", "class"],
+            ),
+            goodput_tokens: counter(
+                "headroom_goodput_tokens_total",
+                "Output tokens of requests that completed within their class's objectives.",
+                &["pool", "class"],
+            ),
+            capture: capture::CaptureCounters {
+                written: IntCounter::new(
+                    "headroom_capture_records_total",
+                    "Trace records written to the capture file.",
+                )
+                .expect("valid metric"),
+                dropped: counter(
+                    "headroom_capture_dropped_total",
+                    "Trace records lost, by reason (buffer_full, write_error).",
+                    &["reason"],
+                ),
+                rotations: IntCounter::new(
+                    "headroom_capture_rotations_total",
+                    "Capture files rotated.",
+                )
+                .expect("valid metric"),
+            },
+            capture_skipped: counter(
+                "headroom_capture_skipped_total",
+                "Requests deliberately not captured, by reason (sampled_out, no_prompt).",
+                &["reason"],
             ),
             route_seconds: Histogram::with_opts(
                 HistogramOpts::new(
@@ -245,7 +350,21 @@ impl Metrics {
             Box::new(m.routed_prompt_tokens.clone()),
             Box::new(m.routed_matched_tokens.clone()),
             Box::new(m.ttft.clone()),
+            Box::new(m.itl.clone()),
+            Box::new(m.tpot.clone()),
             Box::new(m.e2e.clone()),
+            Box::new(m.queue.clone()),
+            Box::new(m.prefill.clone()),
+            Box::new(m.prompt_tokens.clone()),
+            Box::new(m.completion_tokens.clone()),
+            Box::new(m.slo_requests.clone()),
+            Box::new(m.slo_missed.clone()),
+            Box::new(m.goodput_requests.clone()),
+            Box::new(m.goodput_tokens.clone()),
+            Box::new(m.capture.written.clone()),
+            Box::new(m.capture.dropped.clone()),
+            Box::new(m.capture.rotations.clone()),
+            Box::new(m.capture_skipped.clone()),
             Box::new(m.route_seconds.clone()),
             Box::new(m.upstream_cut.clone()),
             Box::new(m.client_aborts.clone()),
@@ -346,6 +465,41 @@ impl Metrics {
                 .inc_by((ej - t.ejections).max(0.0));
             t.ejections = ej;
         }
+    }
+
+    /// Each replica's state for `/stats`: the proxy's own counts and the engine's last gauges.
+    pub fn backend_stats(&self, fleet: &Fleet) -> Vec<serde_json::Value> {
+        let last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        fleet
+            .backends
+            .iter()
+            .map(|b| {
+                let l = b.load();
+                let g = last.get(b.id).map(|t| t.engine.clone()).unwrap_or_default();
+                let ratio = self
+                    .backend
+                    .prefix_hit_ratio
+                    .get_metric_with_label_values(&[&b.name])
+                    .ok()
+                    .map(|m| m.get());
+                serde_json::json!({
+                    "name": b.name,
+                    "url": b.url,
+                    "healthy": b.probe_healthy(),
+                    "ejected": fleet.is_ejected(b),
+                    "in_flight": l.in_flight,
+                    "pending_prefill_tokens": l.pending_prefill_tokens,
+                    "decoding": l.decoding,
+                    "engine": {
+                        "kv_cache_usage": g.kv_usage,
+                        "requests_running": g.running,
+                        "requests_waiting": g.waiting,
+                        "preemptions_total": g.preemptions_total,
+                        "prefix_cache_hit_ratio": ratio,
+                    },
+                })
+            })
+            .collect()
     }
 
     /// The Prometheus text exposition of every metric.

@@ -1,0 +1,281 @@
+//! The end of a generation request's timing record: what the proxy learnt about the prompt at
+//! inspection, joined with what the meter read from the response, judged against the class's
+//! objectives and handed to the metrics, the `/stats` windows and the trace capture.
+
+use std::time::{Duration, Instant, SystemTime};
+
+use headroom_workload::measure::{Objectives, ResponseTiming};
+use headroom_workload::trace::TraceRecord;
+
+use crate::app::{Headroom, RequestCtx};
+use crate::telemetry::capture::Pending;
+use crate::telemetry::stats::Finished;
+
+/// What inspection learnt about a generation request (never its text).
+#[derive(Debug, Default)]
+pub struct PromptFacts {
+    /// `chat` or `completions`.
+    pub endpoint: &'static str,
+    /// Requested model.
+    pub model: Option<String>,
+    /// Streamed.
+    pub stream: bool,
+    /// Requested output limit.
+    pub max_tokens: Option<i64>,
+    /// The proxy's prompt token count.
+    pub prompt_tokens: u32,
+    /// The prompt's block hash chain.
+    pub blocks: Vec<u64>,
+    /// The hash of the prompt's tail, when hashed whole.
+    pub tail_hash: Option<u64>,
+    /// The session header's value.
+    pub session: Option<String>,
+}
+
+/// How a finished request is judged.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Verdict {
+    /// Completed within every objective.
+    Good,
+    /// Completed, missed at least one objective.
+    Slow,
+    /// Did not complete: an error status, an error event, a cut stream or a client that left.
+    Failed,
+}
+
+impl Verdict {
+    fn label(self) -> &'static str {
+        match self {
+            Self::Good => "good",
+            Self::Slow => "slow",
+            Self::Failed => "failed",
+        }
+    }
+}
+
+fn ms(d: Duration) -> f64 {
+    d.as_secs_f64() * 1e3
+}
+
+/// Percentile of already sorted gaps, in ms (nearest rank).
+fn gap_percentile(sorted: &[Duration], q: f64) -> Option<f64> {
+    if sorted.is_empty() {
+        return None;
+    }
+    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
+    Some(ms(sorted[rank - 1]))
+}
+
+/// The objectives a timing missed, by name.
+pub fn missed(o: &Objectives, t: &ResponseTiming) -> Vec<&'static str> {
+    let mut out = Vec::new();
+    if o.ttft_ms.is_some_and(|b| t.ttft.is_none_or(|x| ms(x) > b)) {
+        out.push("ttft");
+    }
+    if o.tpot_ms
+        .is_some_and(|b| t.tpot().is_some_and(|x| ms(x) > b))
+    {
+        out.push("tpot");
+    }
+    if o.e2e_ms.is_some_and(|b| t.e2e.is_none_or(|x| ms(x) > b)) {
+        out.push("e2e");
+    }
+    out
+}
+
+impl Headroom {
+    /// The objectives of `class`.
+    pub(crate) fn objectives(&self, class: &str) -> Objectives {
+        self.cfg
+            .classes
+            .get(class)
+            .map(|c| Objectives {
+                ttft_ms: c.slo.ttft_ms,
+                tpot_ms: c.slo.tpot_ms,
+                e2e_ms: c.slo.e2e_ms,
+            })
+            .unwrap_or_default()
+    }
+
+    /// Finishes a generation request's record: metrics, goodput, `/stats`, capture.
+    pub(crate) fn finish_record(&self, ctx: &mut RequestCtx) {
+        let now = Instant::now();
+        let timing = ctx
+            .meter
+            .as_ref()
+            .map(|m| m.timing(ctx.start))
+            .unwrap_or_default();
+        let backend = ctx.backend.as_deref().unwrap_or("none");
+        let labels = [ctx.pool.as_str(), ctx.class.as_str(), backend];
+        let completed = ctx.completed && (200..300).contains(&ctx.status) && !timing.error_event;
+        let objectives = self.objectives(&ctx.class);
+        let misses = if completed {
+            missed(&objectives, &timing)
+        } else {
+            Vec::new()
+        };
+        let verdict = match (completed, misses.is_empty()) {
+            (false, _) => Verdict::Failed,
+            (true, true) => Verdict::Good,
+            (true, false) => Verdict::Slow,
+        };
+        let m = &self.metrics;
+        let observe = |h: &prometheus::HistogramVec, d: Option<Duration>| {
+            if let Some(d) = d {
+                h.with_label_values(&labels).observe(d.as_secs_f64());
+            }
+        };
+        let queue = ctx
+            .dispatched
+            .map(|d| d.saturating_duration_since(ctx.start));
+        let prefill = match (ctx.sent, timing.ttft) {
+            (Some(sent), Some(ttft)) => Some((ctx.start + ttft).saturating_duration_since(sent)),
+            _ => None,
+        };
+        observe(&m.queue, queue);
+        observe(&m.prefill, prefill);
+        observe(&m.ttft, timing.ttft);
+        observe(&m.tpot, timing.tpot());
+        observe(&m.e2e, timing.e2e);
+        if !timing.itl.is_empty() {
+            let h = m.itl.with_label_values(&labels);
+            for gap in &timing.itl {
+                h.observe(gap.as_secs_f64());
+            }
+        }
+        let facts = ctx.prompt.take();
+        let prompt_tokens = timing.usage.map_or_else(
+            || facts.as_ref().map_or(0, |f| u64::from(f.prompt_tokens)),
+            |u| u.prompt_tokens,
+        );
+        let output_tokens = timing.output_tokens();
+        m.prompt_tokens
+            .with_label_values(&labels)
+            .inc_by(prompt_tokens);
+        m.completion_tokens
+            .with_label_values(&labels)
+            .inc_by(output_tokens);
+        let group = [ctx.pool.as_str(), ctx.class.as_str()];
+        m.slo_requests
+            .with_label_values(&[group[0], group[1], verdict.label()])
+            .inc();
+        for objective in &misses {
+            m.slo_missed
+                .with_label_values(&[group[0], group[1], objective])
+                .inc();
+        }
+        if verdict == Verdict::Good {
+            m.goodput_requests.with_label_values(&group).inc();
+            m.goodput_tokens
+                .with_label_values(&group)
+                .inc_by(output_tokens);
+        }
+        self.stats.record(
+            &ctx.pool,
+            &ctx.class,
+            &Finished {
+                completed,
+                good: verdict == Verdict::Good,
+                output_tokens,
+                prompt_tokens,
+                queue,
+                ttft: timing.ttft,
+                tpot: timing.tpot(),
+                e2e: timing.e2e,
+                itl: &timing.itl,
+            },
+            now,
+        );
+        let Some(capture) = &self.capture else { return };
+        let Some(facts) = facts else {
+            m.capture_skipped.with_label_values(&["no_prompt"]).inc();
+            return;
+        };
+        if !capture.sampled(&ctx.request_id) {
+            m.capture_skipped.with_label_values(&["sampled_out"]).inc();
+            return;
+        }
+        let mut gaps = timing.itl.clone();
+        gaps.sort_unstable();
+        let input_length = u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1);
+        let record = TraceRecord {
+            timestamp: 0,
+            input_length,
+            output_length: u32::try_from(output_tokens).unwrap_or(u32::MAX),
+            hash_ids: Vec::new(),
+            block_tokens: None,
+            session_id: facts.session,
+            request_id: Some(ctx.request_id.clone()),
+            model: facts.model,
+            endpoint: Some(facts.endpoint.to_owned()),
+            class: Some(ctx.class.clone()),
+            pool: Some(ctx.pool.clone()),
+            backend: ctx.backend.clone(),
+            status: Some(ctx.status),
+            max_tokens: facts.max_tokens.and_then(|n| u32::try_from(n).ok()),
+            stream: Some(facts.stream),
+            queue_ms: queue.map(ms),
+            ttft_ms: timing.ttft.map(ms),
+            tpot_ms: timing.tpot().map(ms),
+            itl_mean_ms: (!gaps.is_empty())
+                .then(|| gaps.iter().map(|g| ms(*g)).sum::<f64>() / gaps.len() as f64),
+            itl_p50_ms: gap_percentile(&gaps, 0.50),
+            itl_p99_ms: gap_percentile(&gaps, 0.99),
+            itl_max_ms: gaps.last().map(|g| ms(*g)),
+            e2e_ms: timing.e2e.map(ms),
+            finish_reason: timing.finish_reason.clone().or_else(|| {
+                (!completed).then(|| if ctx.status == 499 { "abort" } else { "error" }.to_owned())
+            }),
+            cached_tokens: timing.usage.and_then(|u| u.cached_tokens),
+            good: Some(verdict == Verdict::Good),
+        };
+        capture.submit(Pending {
+            arrival: ctx.arrival,
+            record,
+            blocks: facts.blocks,
+            block_tokens: self.inspect.block_tokens,
+            tail_hash: facts.tail_hash,
+            unique: xxhash_rust::xxh3::xxh3_64_with_seed(
+                ctx.request_id.as_bytes(),
+                ctx.arrival
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .map_or(0, |d| d.as_nanos() as u64),
+            ),
+        });
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn misses_name_each_objective() {
+        let o = Objectives {
+            ttft_ms: Some(100.0),
+            tpot_ms: Some(10.0),
+            e2e_ms: Some(1000.0),
+        };
+        let t = ResponseTiming {
+            ttft: Some(Duration::from_millis(150)),
+            last_output: Some(Duration::from_millis(250)),
+            e2e: Some(Duration::from_millis(260)),
+            output_events: 11,
+            ..ResponseTiming::default()
+        };
+        assert_eq!(missed(&o, &t), vec!["ttft"]);
+        let slow_decode = ResponseTiming {
+            ttft: Some(Duration::from_millis(50)),
+            last_output: Some(Duration::from_millis(1500)),
+            e2e: Some(Duration::from_millis(1501)),
+            output_events: 11,
+            ..ResponseTiming::default()
+        };
+        assert_eq!(missed(&o, &slow_decode), vec!["tpot", "e2e"]);
+        assert!(missed(&Objectives::default(), &slow_decode).is_empty());
+        assert_eq!(
+            gap_percentile(&[Duration::from_millis(1), Duration::from_millis(9)], 0.5),
+            Some(1.0)
+        );
+    }
+}

@@ -1,0 +1,478 @@
+//! The trace capture writer: finished requests become JSONL trace records (docs/trace-format.md),
+//! handed over through a bounded queue to one writer thread, so the request path never waits on
+//! the disk. A record that cannot be queued or written is counted and logged, never silently lost.
+//!
+//! Each file is a standalone trace: `timestamp` is milliseconds from the file's opening. Files
+//! rotate by size and age; the finished one is renamed `<stem>.<UTC start>.jsonl`. Records are
+//! written as requests finish, so arrival timestamps are not in file order; readers sort them.
+
+use std::fs::{File, OpenOptions};
+use std::io::{BufWriter, Write};
+use std::path::{Path, PathBuf};
+use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
+use std::thread::JoinHandle;
+use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
+
+use headroom_config::serve::CaptureConfig;
+use headroom_workload::trace::{TraceRecord, capture_hash_ids};
+use prometheus::{IntCounter, IntCounterVec};
+
+/// A finished request waiting to be written.
+#[derive(Debug)]
+pub struct Pending {
+    /// When it arrived.
+    pub arrival: SystemTime,
+    /// Everything but `timestamp` and `hash_ids`.
+    pub record: TraceRecord,
+    /// The prompt's chain of block hashes (the routing blocks).
+    pub blocks: Vec<u64>,
+    /// Tokens per routing block.
+    pub block_tokens: u32,
+    /// The prompt's tail hash, when it was hashed whole.
+    pub tail_hash: Option<u64>,
+    /// Distinguishes this request where its prompt was not hashed.
+    pub unique: u64,
+}
+
+enum Msg {
+    Record(Box<Pending>),
+    Flush(SyncSender<()>),
+}
+
+/// Counters the writer updates.
+#[derive(Debug, Clone)]
+pub struct CaptureCounters {
+    /// Records written.
+    pub written: IntCounter,
+    /// Records lost, by reason (`buffer_full`, `write_error`).
+    pub dropped: IntCounterVec,
+    /// Files rotated.
+    pub rotations: IntCounter,
+}
+
+/// The capture: a queue to the writer thread.
+#[derive(Debug)]
+pub struct Capture {
+    tx: Option<SyncSender<Msg>>,
+    thread: Option<JoinHandle<()>>,
+    sample_below: u64,
+    counters: CaptureCounters,
+}
+
+/// Why the capture could not start.
+#[derive(Debug, thiserror::Error)]
+#[error("capture file {path}: {source}")]
+pub struct CaptureError {
+    path: String,
+    source: std::io::Error,
+}
+
+impl Capture {
+    /// Opens the capture file (creating its directory) and starts the writer.
+    pub fn start(
+        cfg: &CaptureConfig,
+        counters: CaptureCounters,
+    ) -> Result<Option<Self>, CaptureError> {
+        let Some(path) = cfg.path.clone() else {
+            return Ok(None);
+        };
+        let path = PathBuf::from(path);
+        let shown = path.display().to_string();
+        let err = |source| CaptureError {
+            path: shown.clone(),
+            source,
+        };
+        if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
+            std::fs::create_dir_all(dir).map_err(err)?;
+        }
+        let file = CaptureFile::open(&path).map_err(err)?;
+        let key = match &cfg.id_key {
+            Some(k) => k.as_bytes().to_vec(),
+            None => random_key(),
+        };
+        let (tx, rx) = sync_channel(cfg.buffer_records);
+        let writer = Writer {
+            path,
+            file: Some(file),
+            key,
+            rotate_bytes: cfg.rotate_bytes,
+            rotate_after: (cfg.rotate_secs > 0).then(|| Duration::from_secs(cfg.rotate_secs)),
+            counters: counters.clone(),
+            errors_logged: 0,
+        };
+        let thread = std::thread::Builder::new()
+            .name("headroom-capture".into())
+            .spawn(move || writer.run(rx))
+            .map_err(err)?;
+        let sample_below = if cfg.sample >= 1.0 {
+            u64::MAX
+        } else {
+            (cfg.sample * u64::MAX as f64) as u64
+        };
+        Ok(Some(Self {
+            tx: Some(tx),
+            thread: Some(thread),
+            sample_below,
+            counters,
+        }))
+    }
+
+    /// Whether the request with this id is sampled.
+    pub fn sampled(&self, request_id: &str) -> bool {
+        self.sample_below == u64::MAX
+            || xxhash_rust::xxh3::xxh3_64(request_id.as_bytes()) < self.sample_below
+    }
+
+    /// Queues a record without waiting; a full queue drops it (counted, logged).
+    pub fn submit(&self, p: Pending) {
+        let Some(tx) = &self.tx else { return };
+        match tx.try_send(Msg::Record(Box::new(p))) {
+            Ok(()) => {}
+            Err(TrySendError::Full(_)) => {
+                let n = self.counters.dropped.with_label_values(&["buffer_full"]);
+                n.inc();
+                if n.get().is_power_of_two() {
+                    tracing::warn!(
+                        dropped = n.get(),
+                        "capture queue full: trace records dropped (capture.buffer_records)"
+                    );
+                }
+            }
+            Err(TrySendError::Disconnected(_)) => {
+                self.counters
+                    .dropped
+                    .with_label_values(&["write_error"])
+                    .inc();
+            }
+        }
+    }
+
+    /// Waits until every record queued so far is written and flushed (at most `timeout`).
+    pub fn flush(&self, timeout: Duration) -> bool {
+        let Some(tx) = &self.tx else { return false };
+        let (ack, done) = sync_channel(1);
+        if tx.send(Msg::Flush(ack)).is_err() {
+            return false;
+        }
+        done.recv_timeout(timeout).is_ok()
+    }
+}
+
+impl Drop for Capture {
+    fn drop(&mut self) {
+        // Closing the queue lets the writer drain it, flush and exit.
+        self.tx.take();
+        if let Some(t) = self.thread.take() {
+            let _ = t.join();
+        }
+    }
+}
+
+/// 32 bytes from the standard library's per-process random hasher keys (seeded by the OS).
+fn random_key() -> Vec<u8> {
+    use std::hash::BuildHasher;
+    (0..4u64)
+        .flat_map(|i| {
+            std::collections::hash_map::RandomState::new()
+                .hash_one(i)
+                .to_le_bytes()
+        })
+        .collect()
+}
+
+struct CaptureFile {
+    out: BufWriter<File>,
+    opened: SystemTime,
+    opened_at: Instant,
+    bytes: u64,
+}
+
+impl CaptureFile {
+    fn open(path: &Path) -> std::io::Result<Self> {
+        let file = OpenOptions::new().create(true).append(true).open(path)?;
+        let bytes = file.metadata()?.len();
+        Ok(Self {
+            out: BufWriter::with_capacity(256 << 10, file),
+            opened: SystemTime::now(),
+            opened_at: Instant::now(),
+            bytes,
+        })
+    }
+}
+
+struct Writer {
+    path: PathBuf,
+    file: Option<CaptureFile>,
+    key: Vec<u8>,
+    rotate_bytes: u64,
+    rotate_after: Option<Duration>,
+    counters: CaptureCounters,
+    errors_logged: u64,
+}
+
+impl Writer {
+    fn run(mut self, rx: Receiver<Msg>) {
+        loop {
+            match rx.recv_timeout(Duration::from_secs(1)) {
+                Ok(Msg::Record(p)) => {
+                    self.write(&p);
+                    // Flush when the queue is empty, not per record.
+                    while let Ok(m) = rx.try_recv() {
+                        match m {
+                            Msg::Record(p) => self.write(&p),
+                            Msg::Flush(ack) => {
+                                self.flush();
+                                let _ = ack.send(());
+                            }
+                        }
+                    }
+                    self.flush();
+                }
+                Ok(Msg::Flush(ack)) => {
+                    self.flush();
+                    let _ = ack.send(());
+                }
+                Err(RecvTimeoutError::Timeout) => self.rotate_if_due(),
+                Err(RecvTimeoutError::Disconnected) => {
+                    self.flush();
+                    return;
+                }
+            }
+        }
+    }
+
+    fn write(&mut self, p: &Pending) {
+        self.rotate_if_due();
+        if self.file.is_none() {
+            match CaptureFile::open(&self.path) {
+                Ok(f) => self.file = Some(f),
+                Err(e) => return self.failed(&e),
+            }
+        }
+        let Some(f) = self.file.as_mut() else { return };
+        let mut r = p.record.clone();
+        r.timestamp = p
+            .arrival
+            .duration_since(f.opened)
+            .map_or(0, |d| d.as_millis() as u64);
+        r.hash_ids = capture_hash_ids(
+            &p.blocks,
+            p.block_tokens,
+            p.tail_hash,
+            r.input_length,
+            &self.key,
+            p.unique,
+        );
+        let mut line = match serde_json::to_vec(&r) {
+            Ok(l) => l,
+            Err(e) => return self.failed(&std::io::Error::other(e)),
+        };
+        line.push(b'\n');
+        match f.out.write_all(&line) {
+            Ok(()) => {
+                f.bytes += line.len() as u64;
+                self.counters.written.inc();
+            }
+            Err(e) => {
+                self.file = None;
+                self.failed(&e);
+            }
+        }
+    }
+
+    fn flush(&mut self) {
+        if let Some(f) = self.file.as_mut() {
+            if let Err(e) = f.out.flush() {
+                self.file = None;
+                self.failed(&e);
+            }
+        }
+    }
+
+    fn failed(&mut self, e: &std::io::Error) {
+        self.counters
+            .dropped
+            .with_label_values(&["write_error"])
+            .inc();
+        self.errors_logged += 1;
+        if self.errors_logged.is_power_of_two() {
+            tracing::error!(
+                path = %self.path.display(),
+                error = %e,
+                failures = self.errors_logged,
+                "trace capture record lost: cannot write the capture file"
+            );
+        }
+    }
+
+    fn rotate_if_due(&mut self) {
+        let Some(f) = &self.file else { return };
+        let too_big = f.bytes >= self.rotate_bytes;
+        let too_old = self
+            .rotate_after
+            .is_some_and(|a| f.opened_at.elapsed() >= a);
+        if !(too_big || too_old) || f.bytes == 0 {
+            return;
+        }
+        let opened = f.opened;
+        self.flush();
+        self.file = None;
+        let target = rotated_name(&self.path, opened);
+        match std::fs::rename(&self.path, &target) {
+            Ok(()) => {
+                self.counters.rotations.inc();
+                tracing::info!(file = %target.display(), "trace capture rotated");
+            }
+            Err(e) => tracing::error!(error = %e, "trace capture rotation failed"),
+        }
+        match CaptureFile::open(&self.path) {
+            Ok(f) => self.file = Some(f),
+            Err(e) => tracing::error!(error = %e, "cannot reopen the capture file"),
+        }
+    }
+}
+
+/// `dir/stem.YYYYMMDDTHHMMSSZ.jsonl` for a file opened at `opened` (a counter is added if taken).
+fn rotated_name(path: &Path, opened: SystemTime) -> PathBuf {
+    let secs = opened.duration_since(UNIX_EPOCH).map_or(0, |d| d.as_secs());
+    let (days, rem) = (secs / 86_400, secs % 86_400);
+    let (y, m, d) = civil_from_days(days as i64);
+    let stamp = format!(
+        "{y:04}{m:02}{d:02}T{:02}{:02}{:02}Z",
+        rem / 3600,
+        rem % 3600 / 60,
+        rem % 60
+    );
+    let stem = path
+        .file_stem()
+        .map_or_else(|| "capture".into(), |s| s.to_string_lossy().into_owned());
+    let ext = path
+        .extension()
+        .map_or_else(|| "jsonl".into(), |s| s.to_string_lossy().into_owned());
+    let dir = path.parent().unwrap_or_else(|| Path::new(""));
+    let mut candidate = dir.join(format!("{stem}.{stamp}.{ext}"));
+    let mut n = 1;
+    while candidate.exists() {
+        candidate = dir.join(format!("{stem}.{stamp}-{n}.{ext}"));
+        n += 1;
+    }
+    candidate
+}
+
+/// (year, month, day) of a day count since 1970-01-01 (Howard Hinnant's algorithm).
+fn civil_from_days(z: i64) -> (i64, u32, u32) {
+    let z = z + 719_468;
+    let era = if z >= 0 { z } else { z - 146_096 } / 146_097;
+    let doe = z - era * 146_097;
+    let yoe = (doe - doe / 1460 + doe / 36_524 - doe / 146_096) / 365;
+    let doy = doe - (365 * yoe + yoe / 4 - yoe / 100);
+    let mp = (5 * doy + 2) / 153;
+    let d = (doy - (153 * mp + 2) / 5 + 1) as u32;
+    let m = if mp < 10 { mp + 3 } else { mp - 9 } as u32;
+    (yoe + era * 400 + i64::from(m <= 2), m, d)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use prometheus::Opts;
+
+    fn counters() -> CaptureCounters {
+        CaptureCounters {
+            written: IntCounter::new("w", "w").unwrap(),
+            dropped: IntCounterVec::new(Opts::new("d", "d"), &["reason"]).unwrap(),
+            rotations: IntCounter::new("r", "r").unwrap(),
+        }
+    }
+
+    fn pending(i: u32, arrival: SystemTime) -> Pending {
+        Pending {
+            arrival,
+            record: TraceRecord {
+                input_length: 600,
+                output_length: i,
+                ..TraceRecord::default()
+            },
+            blocks: (0..37).collect(),
+            block_tokens: 16,
+            tail_hash: Some(99),
+            unique: u64::from(i),
+        }
+    }
+
+    #[test]
+    fn records_are_written_rotated_and_read_back() {
+        let dir = std::env::temp_dir().join(format!("headroom-capture-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        let path = dir.join("sub/trace.jsonl");
+        let cfg = CaptureConfig {
+            path: Some(path.display().to_string()),
+            rotate_bytes: 4096,
+            id_key: Some("0123456789abcdef".into()),
+            ..CaptureConfig::default()
+        };
+        let c = counters();
+        let cap = Capture::start(&cfg, c.clone()).unwrap().unwrap();
+        let t0 = SystemTime::now();
+        // Finished out of arrival order.
+        for i in (1..=60).rev() {
+            cap.submit(pending(i, t0 + Duration::from_millis(u64::from(i))));
+        }
+        assert!(cap.flush(Duration::from_secs(10)));
+        drop(cap);
+        let mut files: Vec<_> = std::fs::read_dir(path.parent().unwrap())
+            .unwrap()
+            .map(|e| e.unwrap().path())
+            .collect();
+        files.sort();
+        assert!(files.len() >= 2, "rotated: {files:?}");
+        let mut all = Vec::new();
+        for f in &files {
+            let text = std::fs::read_to_string(f).unwrap();
+            let recs =
+                headroom_workload::trace::read_jsonl(std::io::BufReader::new(text.as_bytes()))
+                    .unwrap();
+            assert!(recs.windows(2).all(|w| w[0].timestamp <= w[1].timestamp));
+            all.extend(recs);
+        }
+        assert_eq!(all.len(), 60);
+        assert_eq!(c.written.get(), 60);
+        assert!(c.rotations.get() >= 1);
+        // Same prompt blocks, same key: the same ids in every record.
+        assert!(
+            all.iter()
+                .all(|r| r.hash_ids == all[0].hash_ids && r.hash_ids.len() == 2)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn a_full_queue_drops_and_counts() {
+        let dir =
+            std::env::temp_dir().join(format!("headroom-capture-full-{}", std::process::id()));
+        let path = dir.join("t.jsonl");
+        let cfg = CaptureConfig {
+            path: Some(path.display().to_string()),
+            buffer_records: 1,
+            ..CaptureConfig::default()
+        };
+        let c = counters();
+        let cap = Capture::start(&cfg, c.clone()).unwrap().unwrap();
+        for i in 0..2000 {
+            cap.submit(pending(i, SystemTime::now()));
+        }
+        drop(cap);
+        let written = c.written.get();
+        let dropped = c.dropped.with_label_values(&["buffer_full"]).get();
+        assert_eq!(written + dropped, 2000);
+        assert!(dropped > 0);
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn rotated_names_carry_the_utc_start() {
+        let t = UNIX_EPOCH + Duration::from_secs(1_796_026_245); // 2026-11-30T08:10:45Z
+        let p = rotated_name(Path::new("/nonexistent/x/trace.jsonl"), t);
+        assert_eq!(p, Path::new("/nonexistent/x/trace.20261130T081045Z.jsonl"));
+    }
+}

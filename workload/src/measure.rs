@@ -1,0 +1,621 @@
+//! Passive measurement of one response as it passes through: the instants users feel (first byte,
+//! first output-bearing event, every later one, the end), the usage the engine reported and the
+//! finish reason, read from the SSE stream chunk by chunk, or from the tail of a JSON body. When
+//! the proxy asked for a usage chunk the client did not, the meter also cuts that event out of
+//! what the client receives.
+//!
+//! ```text
+//! TTFT = first output-bearing event − arrival        (non-streamed: the end of the body)
+//! ITL  = gaps between consecutive output-bearing events (per event, as vLLM bench serve)
+//! TPOT = (last output event − first output event) / (completion_tokens − 1),  completion_tokens > 1
+//! E2E  = end of the response − arrival
+//! ```
+//!
+//! An output-bearing event has a choice with text, content, reasoning, tool calls or a finish
+//! reason; a role-only chunk, a usage-only chunk, an error and `[DONE]` carry no output.
+//! Definitions side by side with other tools: docs/measurement.md.
+
+use std::borrow::Cow;
+use std::collections::VecDeque;
+use std::time::{Duration, Instant};
+
+use bytes::{Bytes, BytesMut};
+use serde::Deserialize;
+use serde::de::IgnoredAny;
+
+use crate::sse::{DONE, SseParser};
+
+/// Bytes of a non-streamed body's end kept (as shared chunks, not copies) to read its usage.
+pub const TAIL_BYTES: usize = 16 * 1024;
+
+/// Token counts an engine reports.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
+pub struct Usage {
+    /// Prompt tokens.
+    #[serde(default)]
+    pub prompt_tokens: u64,
+    /// Generated tokens.
+    #[serde(default)]
+    pub completion_tokens: u64,
+    /// Prompt tokens served from the prefix cache, when the engine reports them.
+    #[serde(
+        default,
+        deserialize_with = "cached_tokens",
+        rename = "prompt_tokens_details"
+    )]
+    pub cached_tokens: Option<u64>,
+}
+
+fn cached_tokens<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, D::Error> {
+    #[derive(Deserialize)]
+    struct Details {
+        cached_tokens: Option<u64>,
+    }
+    Ok(Option::<Details>::deserialize(d)?.and_then(|x| x.cached_tokens))
+}
+
+#[derive(Deserialize)]
+struct EventLite<'a> {
+    #[serde(default, borrow)]
+    choices: Option<Vec<ChoiceLite<'a>>>,
+    #[serde(default)]
+    usage: Option<Usage>,
+    #[serde(default)]
+    error: Option<IgnoredAny>,
+}
+
+#[derive(Deserialize)]
+struct ChoiceLite<'a> {
+    #[serde(default, borrow)]
+    text: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    delta: Option<DeltaLite<'a>>,
+    #[serde(default, borrow)]
+    finish_reason: Option<Cow<'a, str>>,
+}
+
+#[derive(Deserialize)]
+struct DeltaLite<'a> {
+    #[serde(default, borrow)]
+    content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning_content: Option<Cow<'a, str>>,
+    #[serde(default, borrow)]
+    reasoning: Option<Cow<'a, str>>,
+    #[serde(default)]
+    tool_calls: Option<Vec<IgnoredAny>>,
+}
+
+/// What one SSE event of an OpenAI-compatible stream says.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct EventInfo {
+    /// It carries output.
+    pub output: bool,
+    /// Its usage, if it has one.
+    pub usage: Option<Usage>,
+    /// A usage chunk and nothing else (`choices: []`).
+    pub usage_only: bool,
+    /// The finish reason of its first finished choice.
+    pub finish_reason: Option<String>,
+    /// An error object, or data that is not JSON (and not `[DONE]`).
+    pub error: bool,
+    /// `[DONE]`.
+    pub done: bool,
+}
+
+/// Reads one event's data.
+pub fn classify_event(data: &str) -> EventInfo {
+    if data == DONE {
+        return EventInfo {
+            done: true,
+            ..EventInfo::default()
+        };
+    }
+    let Ok(ev) = serde_json::from_str::<EventLite<'_>>(data) else {
+        return EventInfo {
+            error: true,
+            ..EventInfo::default()
+        };
+    };
+    let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
+    let choices = ev.choices.as_deref().unwrap_or_default();
+    let output = choices.iter().any(|c| {
+        nonempty(&c.text)
+            || c.finish_reason.is_some()
+            || c.delta.as_ref().is_some_and(|d| {
+                nonempty(&d.content)
+                    || nonempty(&d.reasoning_content)
+                    || nonempty(&d.reasoning)
+                    || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
+            })
+    });
+    EventInfo {
+        output,
+        usage_only: ev.usage.is_some() && choices.is_empty() && ev.error.is_none(),
+        usage: ev.usage,
+        finish_reason: choices
+            .iter()
+            .find_map(|c| c.finish_reason.as_deref().map(str::to_owned)),
+        error: ev.error.is_some(),
+        done: false,
+    }
+}
+
+/// Whether an OpenAI-compatible stream event carries output.
+pub fn is_output_event(data: &str) -> bool {
+    classify_event(data).output
+}
+
+/// Latency objectives in ms; an unset one always passes.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Objectives {
+    /// Time to first token.
+    pub ttft_ms: Option<f64>,
+    /// Time per output token after the first.
+    pub tpot_ms: Option<f64>,
+    /// End to end.
+    pub e2e_ms: Option<f64>,
+}
+
+impl Objectives {
+    /// Whether a completed request with these measurements is good: TTFT and E2E at or under
+    /// their bounds, and TPOT too where it is defined (one output token has none).
+    pub fn met(&self, ttft_ms: Option<f64>, tpot_ms: Option<f64>, e2e_ms: f64) -> bool {
+        self.ttft_ms.is_none_or(|b| ttft_ms.is_some_and(|x| x <= b))
+            && self.tpot_ms.is_none_or(|b| tpot_ms.is_none_or(|x| x <= b))
+            && self.e2e_ms.is_none_or(|b| e2e_ms <= b)
+    }
+}
+
+/// What the relay does with one upstream chunk.
+#[derive(Debug, Default)]
+pub struct Passed {
+    /// Bytes to send to the client now (the chunk itself unless an event was cut out or is
+    /// still incomplete).
+    pub forward: Option<Bytes>,
+    /// This chunk held the response's first output.
+    pub first_output: bool,
+}
+
+/// The measurement of one response, fed every chunk as it is relayed.
+#[derive(Debug)]
+pub struct ResponseMeter {
+    sse: Option<SseParser>,
+    strip_usage: bool,
+    /// Bytes of an unfinished event held back while usage events are being cut out.
+    held: BytesMut,
+    tail: VecDeque<Bytes>,
+    tail_len: usize,
+    first_byte: Option<Instant>,
+    first_output: Option<Instant>,
+    last_output: Option<Instant>,
+    end: Option<Instant>,
+    itl: Vec<Duration>,
+    output_events: u32,
+    usage: Option<Usage>,
+    finish_reason: Option<String>,
+    error_event: bool,
+    done: bool,
+}
+
+/// A measured response, relative to the request's arrival.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct ResponseTiming {
+    /// Arrival to the first response byte.
+    pub first_byte: Option<Duration>,
+    /// Arrival to the first output-bearing event (non-streamed: to the end).
+    pub ttft: Option<Duration>,
+    /// Arrival to the last output-bearing event (non-streamed: to the end).
+    pub last_output: Option<Duration>,
+    /// Arrival to the end of the response.
+    pub e2e: Option<Duration>,
+    /// Gaps between consecutive output-bearing events.
+    pub itl: Vec<Duration>,
+    /// Output-bearing events seen (streams).
+    pub output_events: u32,
+    /// Usage, as the engine reported it.
+    pub usage: Option<Usage>,
+    /// Finish reason of the (first) choice.
+    pub finish_reason: Option<String>,
+    /// The stream carried an error event (or an unreadable one).
+    pub error_event: bool,
+    /// The stream ended with `[DONE]`.
+    pub done: bool,
+}
+
+impl ResponseTiming {
+    /// Output tokens: the usage's count, else (streams) the output events.
+    pub fn output_tokens(&self) -> u64 {
+        self.usage
+            .map_or(u64::from(self.output_events), |u| u.completion_tokens)
+    }
+
+    /// (last output − first output) / (output tokens − 1), for a stream with two or more output
+    /// tokens (a non-streamed answer arrives at once: it has no TPOT).
+    pub fn tpot(&self) -> Option<Duration> {
+        let n = self.output_tokens();
+        let (first, last) = (self.ttft?, self.last_output?);
+        (n > 1 && self.output_events > 0)
+            .then(|| last.saturating_sub(first).div_f64((n - 1) as f64))
+    }
+}
+
+impl ResponseMeter {
+    /// A meter for a response; `strip_usage` cuts usage-only events out of an SSE stream.
+    pub fn new(is_sse: bool, strip_usage: bool) -> Self {
+        Self {
+            sse: is_sse.then(SseParser::new),
+            strip_usage: strip_usage && is_sse,
+            held: BytesMut::new(),
+            tail: VecDeque::new(),
+            tail_len: 0,
+            first_byte: None,
+            first_output: None,
+            last_output: None,
+            end: None,
+            itl: Vec::new(),
+            output_events: 0,
+            usage: None,
+            finish_reason: None,
+            error_event: false,
+            done: false,
+        }
+    }
+
+    /// Reads a chunk that arrived at `now` and says what to pass on.
+    pub fn on_chunk(&mut self, chunk: Bytes, now: Instant) -> Passed {
+        self.first_byte.get_or_insert(now);
+        let had_output = self.first_output.is_some();
+        let Some(mut parser) = self.sse.take() else {
+            self.keep_tail(chunk.clone());
+            return Passed {
+                forward: Some(chunk),
+                first_output: false,
+            };
+        };
+        let forward = if self.strip_usage {
+            self.strip(&mut parser, chunk, now)
+        } else {
+            parser.feed(&chunk, |ev| {
+                self.on_event(&ev.data, now);
+            });
+            Some(chunk)
+        };
+        self.sse = Some(parser);
+        Passed {
+            forward,
+            first_output: !had_output && self.first_output.is_some(),
+        }
+    }
+
+    /// Feeds `chunk`, keeping whole events only and leaving out usage-only ones.
+    fn strip(&mut self, parser: &mut SseParser, chunk: Bytes, now: Instant) -> Option<Bytes> {
+        let mut pieces: Vec<Bytes> = Vec::new();
+        let mut held = std::mem::take(&mut self.held);
+        let mut run: Option<usize> = None;
+        let mut start = 0;
+        let mut ends = Vec::new();
+        parser.feed_with_ends(&chunk, |end, ev| {
+            ends.push((end, ev.map(|e| e.data)));
+        });
+        for (end, data) in ends {
+            let keep = match data {
+                Some(d) => !self.on_event(&d, now).usage_only,
+                None => true,
+            };
+            if start == 0 && !held.is_empty() {
+                let h = std::mem::take(&mut held);
+                if keep {
+                    pieces.push(h.freeze());
+                }
+            }
+            match (keep, run) {
+                (true, None) => run = Some(start),
+                (false, Some(s)) => {
+                    pieces.push(chunk.slice(s..start));
+                    run = None;
+                }
+                _ => {}
+            }
+            start = end;
+        }
+        if let Some(s) = run {
+            pieces.push(chunk.slice(s..start));
+        }
+        held.extend_from_slice(&chunk[start..]);
+        self.held = held;
+        match pieces.len() {
+            0 => None,
+            1 => pieces.pop(),
+            _ => {
+                let mut joined = BytesMut::with_capacity(pieces.iter().map(Bytes::len).sum());
+                for p in pieces {
+                    joined.extend_from_slice(&p);
+                }
+                Some(joined.freeze())
+            }
+        }
+    }
+
+    fn on_event(&mut self, data: &str, now: Instant) -> EventInfo {
+        let info = classify_event(data);
+        if info.output {
+            self.output_events += 1;
+            if let Some(prev) = self.last_output {
+                self.itl.push(now - prev);
+            }
+            self.first_output.get_or_insert(now);
+            self.last_output = Some(now);
+        }
+        if info.usage.is_some() {
+            self.usage = info.usage;
+        }
+        if self.finish_reason.is_none() {
+            self.finish_reason.clone_from(&info.finish_reason);
+        }
+        self.error_event |= info.error;
+        self.done |= info.done;
+        info
+    }
+
+    fn keep_tail(&mut self, chunk: Bytes) {
+        self.tail_len += chunk.len();
+        self.tail.push_back(chunk);
+        while self
+            .tail
+            .front()
+            .is_some_and(|f| self.tail_len - f.len() >= TAIL_BYTES)
+        {
+            if let Some(f) = self.tail.pop_front() {
+                self.tail_len -= f.len();
+            }
+        }
+    }
+
+    /// The response ended at `now` (`complete`: the upstream finished it, rather than failing or
+    /// losing its client): returns any bytes still held back (an unfinished last event, passed on
+    /// as it came), and reads a JSON body's usage and finish reason; its first output is its end.
+    pub fn finish(&mut self, now: Instant, complete: bool) -> Option<Bytes> {
+        if self.end.is_some() {
+            return None;
+        }
+        self.end = Some(now);
+        if self.sse.is_none() {
+            let mut body = Vec::with_capacity(self.tail_len);
+            for c in &self.tail {
+                body.extend_from_slice(c);
+            }
+            self.usage = json_tail_value::<Usage>(&body, b"\"usage\"");
+            self.finish_reason = json_tail_value::<String>(&body, b"\"finish_reason\"");
+            if complete && self.first_byte.is_some() {
+                self.first_output = Some(now);
+                self.last_output = Some(now);
+            }
+            return None;
+        }
+        (!self.held.is_empty()).then(|| std::mem::take(&mut self.held).freeze())
+    }
+
+    /// The timing relative to `arrival`.
+    pub fn timing(&self, arrival: Instant) -> ResponseTiming {
+        let since = |t: Option<Instant>| t.map(|t| t.saturating_duration_since(arrival));
+        ResponseTiming {
+            first_byte: since(self.first_byte),
+            ttft: since(self.first_output),
+            last_output: since(self.last_output),
+            e2e: since(self.end),
+            itl: self.itl.clone(),
+            output_events: self.output_events,
+            usage: self.usage,
+            finish_reason: self.finish_reason.clone(),
+            error_event: self.error_event,
+            done: self.done,
+        }
+    }
+}
+
+/// The value after the last `key` (a quoted JSON key, not inside a string) in `body`.
+fn json_tail_value<T: serde::de::DeserializeOwned>(body: &[u8], key: &[u8]) -> Option<T> {
+    let mut end = body.len();
+    while let Some(at) = find_last(&body[..end], key) {
+        end = at;
+        if at > 0 && body[at - 1] == b'\\' {
+            continue;
+        }
+        let rest = body[at + key.len()..].trim_ascii_start();
+        let Some(value) = rest.strip_prefix(b":") else {
+            continue;
+        };
+        if let Some(Ok(v)) = serde_json::Deserializer::from_slice(value)
+            .into_iter::<T>()
+            .next()
+        {
+            return Some(v);
+        }
+    }
+    None
+}
+
+fn find_last(hay: &[u8], needle: &[u8]) -> Option<usize> {
+    hay.windows(needle.len()).rposition(|w| w == needle)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn output_events_are_told_from_role_usage_and_done() {
+        let role = r#"{"choices":[{"index":0,"delta":{"role":"assistant","content":""},"finish_reason":null}]}"#;
+        let text = r#"{"choices":[{"index":0,"delta":{"content":" hi"},"finish_reason":null}]}"#;
+        let completion = r#"{"choices":[{"index":0,"text":" hi","finish_reason":null}]}"#;
+        let finish = r#"{"choices":[{"index":0,"delta":{},"finish_reason":"stop"}]}"#;
+        let tools = r#"{"choices":[{"delta":{"tool_calls":[{"index":0}]}}]}"#;
+        let reasoning = r#"{"choices":[{"delta":{"reasoning":"hm"}}]}"#;
+        let usage = r#"{"choices":[],"usage":{"prompt_tokens":3}}"#;
+        let error = r#"{"error":{"message":"x"}}"#;
+        for (data, want) in [
+            (role, false),
+            (text, true),
+            (completion, true),
+            (finish, true),
+            (tools, true),
+            (reasoning, true),
+            (usage, false),
+            (error, false),
+            (DONE, false),
+            ("not json", false),
+        ] {
+            assert_eq!(is_output_event(data), want, "{data}");
+        }
+        let u = classify_event(
+            r#"{"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10,"prompt_tokens_details":{"cached_tokens":2}}}"#,
+        );
+        assert!(u.usage_only && !u.output);
+        assert_eq!(
+            u.usage,
+            Some(Usage {
+                prompt_tokens: 3,
+                completion_tokens: 7,
+                cached_tokens: Some(2)
+            })
+        );
+        let f = classify_event(finish);
+        assert_eq!(f.finish_reason.as_deref(), Some("stop"));
+        assert!(classify_event(error).error && classify_event("nope").error);
+        assert!(classify_event(DONE).done);
+    }
+
+    fn stream(include_usage: bool) -> Vec<u8> {
+        let mut out = Vec::new();
+        for data in [
+            r#"{"id":"a","choices":[{"index":0,"delta":{"role":"assistant","content":""}}]}"#,
+            r#"{"id":"a","choices":[{"index":0,"delta":{"content":" one"}}]}"#,
+            r#"{"id":"a","choices":[{"index":0,"delta":{"content":" two"}}]}"#,
+            r#"{"id":"a","choices":[{"index":0,"delta":{"content":" three"},"finish_reason":"length"}]}"#,
+        ] {
+            crate::sse::write_data(&mut out, data);
+        }
+        if include_usage {
+            crate::sse::write_data(
+                &mut out,
+                r#"{"id":"a","choices":[],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}"#,
+            );
+        }
+        out.extend_from_slice(b": keep-alive\n\n");
+        crate::sse::write_data(&mut out, DONE);
+        out
+    }
+
+    /// Feeds `bytes` cut at `cuts`, one millisecond apart, and returns what reached the client.
+    fn relay(bytes: &[u8], cuts: &[usize], strip: bool) -> (Vec<u8>, ResponseTiming) {
+        let t0 = Instant::now();
+        let mut m = ResponseMeter::new(true, strip);
+        let mut out = Vec::new();
+        let mut prev = 0;
+        let mut firsts = 0;
+        for (i, &c) in cuts.iter().chain([bytes.len()].iter()).enumerate() {
+            let p = m.on_chunk(
+                Bytes::copy_from_slice(&bytes[prev..c]),
+                t0 + Duration::from_millis(i as u64 + 1),
+            );
+            firsts += u32::from(p.first_output);
+            out.extend_from_slice(p.forward.as_deref().unwrap_or_default());
+            prev = c;
+        }
+        let end = t0 + Duration::from_millis(cuts.len() as u64 + 2);
+        out.extend_from_slice(m.finish(end, true).as_deref().unwrap_or_default());
+        assert!(firsts <= 1);
+        (out, m.timing(t0))
+    }
+
+    #[test]
+    fn stripping_the_usage_chunk_gives_the_bytes_of_a_stream_without_it_at_every_split() {
+        let with = stream(true);
+        let without = stream(false);
+        for i in 0..=with.len() {
+            for j in (i..=with.len()).step_by(7) {
+                let (out, t) = relay(&with, &[i, j], true);
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    String::from_utf8_lossy(&without),
+                    "split at {i},{j}"
+                );
+                assert_eq!(t.usage.map(|u| u.completion_tokens), Some(3));
+                assert_eq!(t.output_events, 3);
+                assert!(t.done && !t.error_event);
+                assert_eq!(t.finish_reason.as_deref(), Some("length"));
+            }
+        }
+    }
+
+    #[test]
+    fn without_stripping_every_chunk_passes_untouched() {
+        let with = stream(true);
+        let (out, t) = relay(&with, &[10, 200, 201], false);
+        assert_eq!(out, with);
+        assert_eq!(t.output_tokens(), 3);
+    }
+
+    #[test]
+    fn timings_follow_the_events() {
+        let s = stream(true);
+        // One event per chunk: role at 1 ms, outputs at 2, 3, 4 ms.
+        let mut cuts = Vec::new();
+        let mut p = SseParser::new();
+        p.feed_with_ends(&s, |end, _| cuts.push(end));
+        cuts.pop();
+        let (_, t) = relay(&s, &cuts, true);
+        let ms = Duration::from_millis;
+        assert_eq!(t.first_byte, Some(ms(1)));
+        assert_eq!(t.ttft, Some(ms(2)));
+        assert_eq!(t.last_output, Some(ms(4)));
+        assert_eq!(t.itl, vec![ms(1), ms(1)]);
+        assert_eq!(t.tpot(), Some(ms(1)));
+        assert_eq!(t.e2e, Some(ms(cuts.len() as u64 + 2)));
+    }
+
+    #[test]
+    fn a_json_body_is_measured_from_its_tail() {
+        let body = br#"{"id":"c","choices":[{"index":0,"message":{"role":"assistant","content":"say \"usage\": 1 and \"finish_reason\":\"x\""},"finish_reason":"stop"}],"usage":{"prompt_tokens":9,"completion_tokens":4,"total_tokens":13},"prompt_logprobs":null}"#;
+        let t0 = Instant::now();
+        let mut m = ResponseMeter::new(false, true);
+        let mut out = Vec::new();
+        for (i, part) in body.chunks(13).enumerate() {
+            let p = m.on_chunk(
+                Bytes::copy_from_slice(part),
+                t0 + Duration::from_millis(i as u64),
+            );
+            assert!(!p.first_output);
+            out.extend_from_slice(&p.forward.unwrap());
+        }
+        assert!(m.finish(t0 + Duration::from_millis(50), true).is_none());
+        assert_eq!(out, body);
+        let t = m.timing(t0);
+        assert_eq!(
+            t.usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
+            Some((9, 4))
+        );
+        assert_eq!(t.finish_reason.as_deref(), Some("stop"));
+        assert_eq!(t.ttft, Some(Duration::from_millis(50)));
+        assert_eq!(t.ttft, t.e2e);
+        assert_eq!(t.tpot(), None);
+    }
+
+    #[test]
+    fn a_long_json_body_keeps_only_a_bounded_tail() {
+        let mut m = ResponseMeter::new(false, false);
+        let t0 = Instant::now();
+        let filler = Bytes::from(vec![b' '; 4096]);
+        for _ in 0..100 {
+            m.on_chunk(filler.clone(), t0);
+        }
+        assert!(m.tail_len < TAIL_BYTES + 4096);
+        m.on_chunk(
+            Bytes::from_static(br#""usage":{"completion_tokens":2}}"#),
+            t0,
+        );
+        m.finish(t0, true);
+        assert_eq!(m.timing(t0).output_tokens(), 2);
+    }
+}
