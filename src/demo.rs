@@ -221,14 +221,38 @@ async fn through_headroom(
 ) -> anyhow::Result<serde_json::Value> {
     let mut cfg = ServeConfig::quick("127.0.0.1:0", urls, "prefix_affinity");
     cfg.admin_listen = "127.0.0.1:0".into();
+    let out = args.out.join("headroom");
+    let capture = out.join("capture.jsonl");
+    // A fresh capture per run: the file is appended to otherwise.
+    let _ = std::fs::remove_file(&capture);
+    cfg.capture.path = Some(capture.display().to_string());
+    if let Some(default) = cfg.classes.get_mut("default") {
+        // The same objectives the replay judges goodput by.
+        default.slo.ttft_ms = Some(400.0);
+        default.slo.tpot_ms = Some(50.0);
+    }
     let cfg = cfg
         .validated()
         .map_err(|e| anyhow::anyhow!("demo proxy config: {e:?}"))?;
     let proxy = headroom_proxy::start(cfg).await?;
     let target = [format!("http://{}", proxy.addr)];
     let result = replay_once(args, trace, &target, Some(urls), "headroom").await;
+    let stats = async {
+        let url = format!("http://{}/stats", proxy.admin_addr);
+        reqwest::get(url).await?.json::<serde_json::Value>().await
+    }
+    .await;
     proxy.shutdown().await;
-    result
+    let mut result = result?;
+    if let Ok(stats) = stats {
+        std::fs::write(out.join("stats.json"), serde_json::to_vec_pretty(&stats)?)?;
+        result["proxy_stats"] = stats;
+    }
+    eprintln!(
+        "headroom demo: the proxy's own record of every request: {}",
+        capture.display()
+    );
+    Ok(result)
 }
 
 /// Empties every replica's prefix cache, so the second run starts as cold as the first.
@@ -269,4 +293,18 @@ fn print_comparison(runs: &[(&str, serde_json::Value); 2]) {
         100.0 * ideal
     );
     println!("goodput: requests per second that met TTFT ≤ 400 ms and TPOT ≤ 50 ms");
+    if let Some(w) = runs[1].1["proxy_stats"]["windows"]["5m"]
+        .as_array()
+        .and_then(|a| a.first())
+    {
+        let n = |p: &[&str]| num(w, p);
+        println!(
+            "headroom's own passive measurement of the same run: {} requests, {} good; TTFT p50 {:.1} ms, p99 {:.1} ms; TPOT p99 {:.1} ms",
+            n(&["requests"]),
+            n(&["good"]),
+            n(&["latency", "ttft_ms", "p50"]),
+            n(&["latency", "ttft_ms", "p99"]),
+            n(&["latency", "tpot_ms", "p99"]),
+        );
+    }
 }

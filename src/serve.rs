@@ -15,7 +15,7 @@ pub struct ServeArgs {
     /// Address to listen on [default: 0.0.0.0:8080].
     #[arg(long, value_name = "ADDR")]
     listen: Option<String>,
-    /// Admin listener for /metrics, /healthz, /readyz [default: 127.0.0.1:9090].
+    /// Admin listener for /metrics, /stats, /healthz, /readyz [default: 127.0.0.1:9090].
     #[arg(long, value_name = "ADDR")]
     admin_listen: Option<String>,
     /// Replica base URLs, comma-separated (replaces the config's backends).
@@ -24,6 +24,9 @@ pub struct ServeArgs {
     /// Routing policy [default: prefix_affinity].
     #[arg(long, value_name = "NAME", value_parser = clap::builder::PossibleValuesParser::new(POLICIES))]
     policy: Option<String>,
+    /// Record every finished request to this JSONL trace (docs/trace-format.md).
+    #[arg(long, value_name = "FILE")]
+    capture: Option<String>,
 }
 
 impl ServeArgs {
@@ -44,6 +47,9 @@ impl ServeArgs {
         }
         if let Some(p) = &self.policy {
             cfg.routing.policy = p.clone();
+        }
+        if let Some(c) = &self.capture {
+            cfg.capture.path = Some(c.clone());
         }
         if !self.backends.is_empty() {
             cfg.backends = self

@@ -77,6 +77,18 @@ fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
     );
     assert!(out_dir.join("round_robin/report.html").exists());
     assert!(out_dir.join("headroom/report.html").exists());
+    // The proxy recorded every request it served, and measured them itself.
+    let capture = std::fs::read_to_string(out_dir.join("headroom/capture.jsonl")).unwrap();
+    assert_eq!(capture.lines().count(), 12);
+    let stats: serde_json::Value = serde_json::from_str(
+        &std::fs::read_to_string(out_dir.join("headroom/stats.json")).unwrap(),
+    )
+    .unwrap();
+    assert_eq!(stats["windows"]["5m"][0]["requests"], 12);
+    assert!(
+        stdout.contains("headroom's own passive measurement"),
+        "{stdout}"
+    );
 }
 
 #[test]
@@ -146,4 +158,125 @@ fn bad_input_gets_a_clear_error() {
         let stderr = String::from_utf8_lossy(&out.stderr);
         assert!(stderr.contains(expected), "{args:?}: {stderr}");
     }
+}
+
+/// A child process whose stdout's first line is its URL; killed when dropped.
+struct Child {
+    proc: std::process::Child,
+    url: String,
+    stderr: std::thread::JoinHandle<String>,
+}
+
+impl Child {
+    fn start(args: &[&str]) -> Self {
+        use std::io::{BufRead, Read};
+        let mut proc = Command::new(env!("CARGO_BIN_EXE_headroom"))
+            .args(args)
+            .env("RUST_LOG", "debug")
+            .stdout(std::process::Stdio::piped())
+            .stderr(std::process::Stdio::piped())
+            .spawn()
+            .expect("the binary runs");
+        let mut lines = std::io::BufReader::new(proc.stdout.take().unwrap()).lines();
+        let url = lines.next().unwrap().unwrap();
+        let mut err = proc.stderr.take().unwrap();
+        let stderr = std::thread::spawn(move || {
+            let mut s = String::new();
+            let _ = err.read_to_string(&mut s);
+            // Whatever else went to stdout is a log line too.
+            for l in lines.map_while(Result::ok) {
+                s.push_str(&l);
+                s.push('\n');
+            }
+            s
+        });
+        Self { proc, url, stderr }
+    }
+
+    /// SIGTERM, then everything the process wrote.
+    fn stop(mut self) -> String {
+        let _ = Command::new("kill")
+            .args(["-TERM", &self.proc.id().to_string()])
+            .status();
+        let _ = self.proc.wait();
+        self.stderr.join().unwrap()
+    }
+}
+
+#[test]
+fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
+    const CANARY: &str = "qqcanaryword4409";
+    let dir = std::env::temp_dir().join(format!("headroom-serve-capture-{}", std::process::id()));
+    let _ = std::fs::remove_dir_all(&dir);
+    let capture = dir.join("capture.jsonl");
+    let sim = Child::start(&["sim", "--port", "0", "--latency-model", "constant"]);
+    let proxy = Child::start(&[
+        "serve",
+        "--backends",
+        &sim.url,
+        "--listen",
+        "127.0.0.1:0",
+        "--admin-listen",
+        "127.0.0.1:0",
+        "--capture",
+        capture.to_str().unwrap(),
+    ]);
+    let rt = tokio::runtime::Runtime::new().unwrap();
+    let statuses: Vec<u16> = rt.block_on(async {
+        let c = reqwest::Client::new();
+        let bodies = [
+            serde_json::json!({"messages": [{"role": "user", "content": CANARY}], "max_tokens": 4, "stream": true}),
+            serde_json::json!({"messages": [{"role": "system", "content": format!("{CANARY} rules")}, {"role": "user", "content": "hi"}], "max_tokens": 2}),
+            serde_json::json!({"prompt": format!("{CANARY} once"), "max_tokens": 3}),
+            serde_json::json!({"messages": CANARY}),
+            serde_json::json!({"prompt": [CANARY, 7]}),
+        ];
+        let mut out = Vec::new();
+        for b in bodies {
+            let path = if b.get("prompt").is_some() {
+                "completions"
+            } else {
+                "chat/completions"
+            };
+            let r = c
+                .post(format!("{}/v1/{path}", proxy.url))
+                .json(&b)
+                .send()
+                .await
+                .unwrap();
+            out.push(r.status().as_u16());
+            r.bytes().await.unwrap();
+        }
+        out
+    });
+    assert_eq!(&statuses[..3], &[200, 200, 200]);
+    assert!(statuses[3..].iter().all(|s| *s == 400), "{statuses:?}");
+    let logs = proxy.stop();
+    sim.stop();
+    let text = std::fs::read_to_string(&capture).unwrap();
+    assert_eq!(text.lines().count(), 3, "{text}");
+    assert!(!logs.is_empty());
+    for (what, s) in [("capture", &text), ("logs", &logs)] {
+        assert!(
+            !s.contains(CANARY) && !s.contains("qqcanary"),
+            "{what}: {s}"
+        );
+    }
+    // The capture feeds the reports and the replay unchanged.
+    let tail_dir = dir.join("tail");
+    let out = headroom(&[
+        "report",
+        "tail",
+        "--trace",
+        capture.to_str().unwrap(),
+        "--out",
+        tail_dir.to_str().unwrap(),
+    ]);
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(tail_dir.join("tail.html").exists());
+    let _ = std::fs::remove_dir_all(&dir);
 }
