@@ -6,7 +6,7 @@
 # percentiles per configuration, what each proxy adds over direct, and each proxy's CPU time per
 # relayed chunk (from /proc, all of its processes and threads). Loopback only; bounded by DURATION.
 #
-#   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2
+#   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2 CAPTURE=1
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${RATE:-200}
@@ -47,7 +47,12 @@ wait_line "$OUT/sim.url" http
 sim=$(grep -m1 http "$OUT/sim.url")
 sim_hostport=${sim#http://}
 
-$bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" \
+# Measurement is always on; the trace capture too (CAPTURE=0 turns it off), so the overhead
+# measured is the proxy's whole request path.
+capture_flags=()
+[ "${CAPTURE:-1}" = 1 ] && capture_flags=(--capture "$OUT/capture.jsonl")
+rm -f "$OUT/capture.jsonl"
+$bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" "${capture_flags[@]}" \
   >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
 headroom_pid=$!
 pids+=($headroom_pid)

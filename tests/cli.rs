@@ -278,5 +278,10 @@ fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
         String::from_utf8_lossy(&out.stderr)
     );
     assert!(tail_dir.join("tail.html").exists());
+    let out = headroom(&["trace", "info", capture.to_str().unwrap(), "--json"]);
+    assert!(out.status.success());
+    let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(info["requests"], 3);
+    assert_eq!(info["output_tokens_total"], 4 + 2 + 3);
     let _ = std::fs::remove_dir_all(&dir);
 }

@@ -31,6 +31,22 @@ pub enum TraceCommand {
     Import(ImportArgs),
     /// Generate a trace from a named workload contract.
     Synth(SynthArgs),
+    /// Summarize a trace: requests, span, length percentiles, prefix sharing and the offline
+    /// ideal prefix-cache hit rate (two traces with the same structure print the same numbers).
+    Info(InfoArgs),
+}
+
+/// Flags of `headroom trace info`.
+#[derive(Debug, Args)]
+pub struct InfoArgs {
+    /// The trace (any supported format).
+    pub input: PathBuf,
+    /// Also the ideal hit rate of one LRU cache of this many tokens.
+    #[arg(long)]
+    pub cache_tokens: Option<u64>,
+    /// Print JSON instead of text.
+    #[arg(long)]
+    pub json: bool,
 }
 
 /// Source formats `trace import` reads.
@@ -154,8 +170,83 @@ pub fn run_trace(cmd: TraceCommand) -> anyhow::Result<()> {
                 a.output.display()
             );
         }
+        TraceCommand::Info(a) => {
+            let records = read_trace(&a.input, None)?;
+            if records.is_empty() {
+                bail!("{} holds no requests", a.input.display());
+            }
+            let info = trace_info(&records, a.cache_tokens);
+            if a.json {
+                println!("{}", serde_json::to_string_pretty(&info)?);
+            } else {
+                print!("{}", trace_info_text(&info));
+            }
+        }
     }
     Ok(())
+}
+
+/// The numbers `trace info` prints.
+pub fn trace_info(records: &[TraceRecord], cache_tokens: Option<u64>) -> Value {
+    let dist = |f: &dyn Fn(&TraceRecord) -> f64| {
+        let mut v: Vec<f64> = records.iter().map(f).collect();
+        report::Dist::of(&mut v)
+    };
+    let blocks: std::collections::HashSet<u64> = records
+        .iter()
+        .flat_map(|r| r.hash_ids.iter().copied())
+        .collect();
+    let total_blocks: usize = records.iter().map(|r| r.hash_ids.len()).sum();
+    let span_ms = records.last().map_or(0, |r| r.timestamp) - records[0].timestamp;
+    let mut doc = json!({
+        "requests": records.len(),
+        "span_s": span_ms as f64 / 1e3,
+        "input_length": dist(&|r| f64::from(r.input_length)),
+        "output_length": dist(&|r| f64::from(r.output_length)),
+        "input_tokens_total": records.iter().map(|r| u64::from(r.input_length)).sum::<u64>(),
+        "output_tokens_total": records.iter().map(|r| u64::from(r.output_length)).sum::<u64>(),
+        "hash_ids": total_blocks,
+        "distinct_hash_ids": blocks.len(),
+        "ideal_hit_rate_unbounded": trace::offline_prefix_hit_rate(records, u64::MAX / 2),
+    });
+    if let Some(c) = cache_tokens {
+        doc["cache_tokens"] = json!(c);
+        doc["ideal_hit_rate_at_cache"] = json!(trace::offline_prefix_hit_rate(records, c));
+    }
+    doc
+}
+
+fn trace_info_text(d: &Value) -> String {
+    let n = |v: &Value| v.as_f64().unwrap_or(f64::NAN);
+    let lens = |k: &str| {
+        let x = &d[k];
+        format!(
+            "p50 {:.0}, p90 {:.0}, p99 {:.0}, max {:.0} (mean {:.1})",
+            n(&x["p50_ms"]),
+            n(&x["p90_ms"]),
+            n(&x["p99_ms"]),
+            n(&x["max_ms"]),
+            n(&x["mean_ms"])
+        )
+    };
+    let mut s = format!(
+        "requests: {} over {:.1} s\ninput tokens: {}\noutput tokens: {}\nhash ids: {} ({} distinct)\nideal prefix-cache hit rate, unbounded cache: {:.4}\n",
+        d["requests"],
+        n(&d["span_s"]),
+        lens("input_length"),
+        lens("output_length"),
+        d["hash_ids"],
+        d["distinct_hash_ids"],
+        n(&d["ideal_hit_rate_unbounded"]),
+    );
+    if d.get("cache_tokens").is_some() {
+        s.push_str(&format!(
+            "ideal prefix-cache hit rate, {} tokens of cache: {:.4}\n",
+            d["cache_tokens"],
+            n(&d["ideal_hit_rate_at_cache"])
+        ));
+    }
+    s
 }
 
 /// Flags of `headroom replay`.
@@ -803,6 +894,23 @@ pub enum ReportCommand {
     Merge(MergeArgs),
     /// Re-render the HTML page of a result.json or sweep.json.
     Html(HtmlArgs),
+    /// Join a replay's requests with the proxy's capture by x-request-id: how far the proxy's
+    /// passive TTFT, TPOT and token counts are from the client's.
+    Agreement(AgreementArgs),
+}
+
+/// Flags of `headroom report agreement`.
+#[derive(Debug, Args)]
+pub struct AgreementArgs {
+    /// The replay's result.json.
+    #[arg(long)]
+    pub result: PathBuf,
+    /// The proxy's capture (JSONL).
+    #[arg(long)]
+    pub capture: PathBuf,
+    /// Also write the numbers as JSON here.
+    #[arg(long)]
+    pub json: Option<PathBuf>,
 }
 
 /// Flags of `headroom report tail`.
@@ -968,6 +1076,25 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             };
             std::fs::write(&a.output, page)
                 .with_context(|| format!("writing {}", a.output.display()))?;
+        }
+        ReportCommand::Agreement(a) => {
+            let doc = read_json(&a.result)?;
+            let rows: Vec<RequestRow> = serde_json::from_value(doc["requests"].clone())
+                .with_context(|| format!("{} is not a replay result", a.result.display()))?;
+            let capture = read_trace(&a.capture, None)?;
+            let joined = crate::agreement::agreement(&rows, &capture);
+            if joined.joined == 0 {
+                bail!(
+                    "no request of {} appears in {} (the capture joins by x-request-id)",
+                    a.result.display(),
+                    a.capture.display()
+                );
+            }
+            print!("{}", crate::agreement::agreement_text(&joined));
+            if let Some(path) = a.json {
+                std::fs::write(&path, serde_json::to_string_pretty(&joined)?)
+                    .with_context(|| format!("writing {}", path.display()))?;
+            }
         }
     }
     Ok(())

@@ -1,5 +1,6 @@
 //! headroom-loadtest: streaming clients that measure what users feel, load drivers and reports.
 
+pub mod agreement;
 pub mod analysis;
 pub mod cli;
 pub mod client;

@@ -184,6 +184,11 @@ impl Headroom {
         {
             ctx.class = class;
         }
+        // A prompt longer than routing hashes is hashed whole for the capture, off the request path.
+        let long_body = inspected
+            .as_ref()
+            .filter(|i| i.tail_hash.is_none() && self.capture.is_some())
+            .map(|_| (endpoint, body.clone()));
         let body = match inspected.as_ref() {
             Some(i) if self.cfg.measure.inject_usage => match ask_for_usage(&body, i) {
                 Some(rewritten) => {
@@ -218,6 +223,7 @@ impl Headroom {
             blocks: i.blocks,
             tail_hash: i.tail_hash,
             session: session_key,
+            long_body,
         });
         match ended? {
             Ended::ClientGone => ctx.status = 499,

@@ -30,6 +30,9 @@ pub struct PromptFacts {
     pub tail_hash: Option<u64>,
     /// The session header's value.
     pub session: Option<String>,
+    /// The body, kept (shared) when the prompt was longer than routing hashes, so the capture can
+    /// hash it whole off the request path.
+    pub long_body: Option<(headroom_workload::inspect::Endpoint, bytes::Bytes)>,
 }
 
 /// How a finished request is judged.
@@ -229,7 +232,16 @@ impl Headroom {
             cached_tokens: timing.usage.and_then(|u| u.cached_tokens),
             good: Some(verdict == Verdict::Good),
         };
+        let rehash = facts
+            .long_body
+            .filter(|(_, body)| capture.reserve_body(body.len()))
+            .map(|(endpoint, body)| crate::telemetry::capture::Rehash {
+                endpoint,
+                body,
+                inspect: self.inspect,
+            });
         capture.submit(Pending {
+            rehash,
             arrival: ctx.arrival,
             record,
             blocks: facts.blocks,

@@ -9,11 +9,15 @@
 use std::fs::{File, OpenOptions};
 use std::io::{BufWriter, Write};
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::mpsc::{Receiver, RecvTimeoutError, SyncSender, TrySendError, sync_channel};
 use std::thread::JoinHandle;
 use std::time::{Duration, Instant, SystemTime, UNIX_EPOCH};
 
+use bytes::Bytes;
 use headroom_config::serve::CaptureConfig;
+use headroom_workload::inspect::{Endpoint, InspectConfig, inspect};
 use headroom_workload::trace::{TraceRecord, capture_hash_ids};
 use prometheus::{IntCounter, IntCounterVec};
 
@@ -32,7 +36,24 @@ pub struct Pending {
     pub tail_hash: Option<u64>,
     /// Distinguishes this request where its prompt was not hashed.
     pub unique: u64,
+    /// A prompt longer than routing hashes: its body, hashed whole by the writer (off the request
+    /// path) so the trace keeps its sharing beyond the routing cap.
+    pub rehash: Option<Rehash>,
 }
+
+/// A request body to hash again without the routing cap.
+#[derive(Debug)]
+pub struct Rehash {
+    /// Its endpoint.
+    pub endpoint: Endpoint,
+    /// The body as the client sent it (shared, not copied).
+    pub body: Bytes,
+    /// The routing inspection settings (the cap is lifted).
+    pub inspect: InspectConfig,
+}
+
+/// Request bodies queued for re-hashing at most; beyond it long prompts keep capped ids.
+pub const MAX_QUEUED_BODY_BYTES: usize = 64 << 20;
 
 enum Msg {
     Record(Box<Pending>),
@@ -54,6 +75,7 @@ pub struct CaptureCounters {
 #[derive(Debug)]
 pub struct Capture {
     tx: Option<SyncSender<Msg>>,
+    queued_body_bytes: Arc<AtomicUsize>,
     thread: Option<JoinHandle<()>>,
     sample_below: u64,
     counters: CaptureCounters,
@@ -91,7 +113,9 @@ impl Capture {
             None => random_key(),
         };
         let (tx, rx) = sync_channel(cfg.buffer_records);
+        let queued_body_bytes = Arc::new(AtomicUsize::new(0));
         let writer = Writer {
+            queued_body_bytes: queued_body_bytes.clone(),
             path,
             file: Some(file),
             key,
@@ -111,6 +135,7 @@ impl Capture {
         };
         Ok(Some(Self {
             tx: Some(tx),
+            queued_body_bytes,
             thread: Some(thread),
             sample_below,
             counters,
@@ -123,12 +148,26 @@ impl Capture {
             || xxhash_rust::xxh3::xxh3_64(request_id.as_bytes()) < self.sample_below
     }
 
+    /// Whether a body of `len` bytes may be queued for re-hashing (and if so, counts it).
+    pub fn reserve_body(&self, len: usize) -> bool {
+        let prev = self.queued_body_bytes.fetch_add(len, Ordering::Relaxed);
+        if prev + len > MAX_QUEUED_BODY_BYTES {
+            self.queued_body_bytes.fetch_sub(len, Ordering::Relaxed);
+            return false;
+        }
+        true
+    }
+
     /// Queues a record without waiting; a full queue drops it (counted, logged).
     pub fn submit(&self, p: Pending) {
         let Some(tx) = &self.tx else { return };
         match tx.try_send(Msg::Record(Box::new(p))) {
             Ok(()) => {}
-            Err(TrySendError::Full(_)) => {
+            Err(TrySendError::Full(Msg::Record(p))) => {
+                if let Some(r) = &p.rehash {
+                    self.queued_body_bytes
+                        .fetch_sub(r.body.len(), Ordering::Relaxed);
+                }
                 let n = self.counters.dropped.with_label_values(&["buffer_full"]);
                 n.inc();
                 if n.get().is_power_of_two() {
@@ -138,6 +177,7 @@ impl Capture {
                     );
                 }
             }
+            Err(TrySendError::Full(Msg::Flush(_))) => {}
             Err(TrySendError::Disconnected(_)) => {
                 self.counters
                     .dropped
@@ -201,6 +241,7 @@ impl CaptureFile {
 }
 
 struct Writer {
+    queued_body_bytes: Arc<AtomicUsize>,
     path: PathBuf,
     file: Option<CaptureFile>,
     key: Vec<u8>,
@@ -242,6 +283,20 @@ impl Writer {
     }
 
     fn write(&mut self, p: &Pending) {
+        let mut rehashed = None;
+        if let Some(r) = &p.rehash {
+            let cfg = InspectConfig {
+                max_hashed_tokens: u32::MAX,
+                ..r.inspect
+            };
+            rehashed = inspect(r.endpoint, &r.body, &cfg).ok();
+            self.queued_body_bytes
+                .fetch_sub(r.body.len(), Ordering::Relaxed);
+        }
+        let (blocks, tail_hash) = match &rehashed {
+            Some(i) => (i.blocks.as_slice(), i.tail_hash),
+            None => (p.blocks.as_slice(), p.tail_hash),
+        };
         self.rotate_if_due();
         if self.file.is_none() {
             match CaptureFile::open(&self.path) {
@@ -256,9 +311,9 @@ impl Writer {
             .duration_since(f.opened)
             .map_or(0, |d| d.as_millis() as u64);
         r.hash_ids = capture_hash_ids(
-            &p.blocks,
+            blocks,
             p.block_tokens,
-            p.tail_hash,
+            tail_hash,
             r.input_length,
             &self.key,
             p.unique,
@@ -397,6 +452,7 @@ mod tests {
             block_tokens: 16,
             tail_hash: Some(99),
             unique: u64::from(i),
+            rehash: None,
         }
     }
 
@@ -443,6 +499,62 @@ mod tests {
             all.iter()
                 .all(|r| r.hash_ids == all[0].hash_ids && r.hash_ids.len() == 2)
         );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn long_prompts_are_hashed_whole_off_the_request_path() {
+        let dir =
+            std::env::temp_dir().join(format!("headroom-capture-long-{}", std::process::id()));
+        let path = dir.join("t.jsonl");
+        let cfg = CaptureConfig {
+            path: Some(path.display().to_string()),
+            id_key: Some("0123456789abcdef".into()),
+            ..CaptureConfig::default()
+        };
+        let cap = Capture::start(&cfg, counters()).unwrap().unwrap();
+        // Routing hashed only the first 64 tokens; the prompts share their first 1,100.
+        let routing = InspectConfig {
+            block_tokens: 16,
+            max_hashed_tokens: 64,
+            hash_seed: 0,
+        };
+        let shared: String = (0..1099)
+            .map(headroom_workload::words::spaced_word)
+            .collect();
+        for tail in [5_000u64, 9_000] {
+            let text: String = (tail..tail + 400)
+                .map(headroom_workload::words::spaced_word)
+                .collect();
+            let body = serde_json::json!({"prompt": format!("{shared}{text}")}).to_string();
+            let routed = inspect(Endpoint::Completions, body.as_bytes(), &routing).unwrap();
+            assert!(routed.tail_hash.is_none());
+            let body = Bytes::from(body);
+            assert!(cap.reserve_body(body.len()));
+            cap.submit(Pending {
+                arrival: SystemTime::now(),
+                record: TraceRecord {
+                    input_length: 1500,
+                    output_length: 1,
+                    ..TraceRecord::default()
+                },
+                blocks: routed.blocks,
+                block_tokens: 16,
+                tail_hash: None,
+                unique: tail,
+                rehash: Some(Rehash {
+                    endpoint: Endpoint::Completions,
+                    body,
+                    inspect: routing,
+                }),
+            });
+        }
+        drop(cap);
+        let text = std::fs::read_to_string(&path).unwrap();
+        let recs =
+            headroom_workload::trace::read_jsonl(std::io::BufReader::new(text.as_bytes())).unwrap();
+        assert_eq!(recs[0].hash_ids[..2], recs[1].hash_ids[..2]);
+        assert_ne!(recs[0].hash_ids[2], recs[1].hash_ids[2]);
         let _ = std::fs::remove_dir_all(&dir);
     }
 
