@@ -1,7 +1,8 @@
 //! Routing hot paths on realistic prefixes: a 4,096-token prompt (256 blocks of 16) against a fleet
 //! of 8 replicas whose indices hold 20,000 blocks each, half of them sharing the prompt's first 128
-//! blocks; and request inspection (parse, render, tokenize, hash) of chat bodies of 4k and 32k
-//! prompt tokens, which the proxy does once per generation request.
+//! blocks; request inspection (parse, render, tokenize, hash) of chat bodies of 4k and 32k
+//! prompt tokens, which the proxy does once per generation request; and the response meter on one
+//! vLLM-shaped token chunk, which runs once per relayed chunk.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use headroom_proxy::routing::{
@@ -97,5 +98,22 @@ fn inspection(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench, inspection);
+fn metering(c: &mut Criterion) {
+    use headroom_workload::measure::ResponseMeter;
+    let chunk = bytes::Bytes::from_static(
+        b"data: {\"id\":\"chatcmpl-8f3a\",\"object\":\"chat.completion.chunk\",\"created\":1796026245,\"model\":\"meta-llama/Llama-3.1-8B-Instruct\",\"choices\":[{\"index\":0,\"delta\":{\"content\":\" together\"},\"logprobs\":null,\"finish_reason\":null}]}\n\n",
+    );
+    for (name, strip) in [
+        ("meter_token_chunk", false),
+        ("meter_token_chunk_cutting_usage", true),
+    ] {
+        let mut meter = ResponseMeter::new(true, strip);
+        let now = std::time::Instant::now();
+        c.bench_function(name, |b| {
+            b.iter(|| meter.on_chunk(std::hint::black_box(chunk.clone()), now))
+        });
+    }
+}
+
+criterion_group!(benches, bench, inspection, metering);
 criterion_main!(benches);

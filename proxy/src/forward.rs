@@ -397,6 +397,8 @@ impl Headroom {
                                 return self.client_gone(&backend);
                             }
                         }
+                        // Output instants are when the client's connection got the bytes.
+                        meter.delivered(std::time::Instant::now());
                     }
                     Ok(None) => return Ended::Complete,
                     Err(_) => return self.upstream_cut(session, &backend, is_sse, None).await,

@@ -5,7 +5,7 @@
 //! what the client receives.
 //!
 //! ```text
-//! TTFT = first output-bearing event − arrival        (non-streamed: the end of the body)
+//! TTFT = first output-bearing event handed to the client − arrival   (non-streamed: the end)
 //! ITL  = gaps between consecutive output-bearing events (per event, as vLLM bench serve)
 //! TPOT = (last output event − first output event) / (completion_tokens − 1),  completion_tokens > 1
 //! E2E  = end of the response − arrival
@@ -192,6 +192,8 @@ pub struct ResponseMeter {
     end: Option<Instant>,
     itl: Vec<Duration>,
     output_events: u32,
+    /// Output events read but not yet handed to the client.
+    undelivered: u32,
     usage: Option<Usage>,
     finish_reason: Option<String>,
     error_event: bool,
@@ -255,6 +257,7 @@ impl ResponseMeter {
             end: None,
             itl: Vec::new(),
             output_events: 0,
+            undelivered: 0,
             usage: None,
             finish_reason: None,
             error_event: false,
@@ -262,10 +265,11 @@ impl ResponseMeter {
         }
     }
 
-    /// Reads a chunk that arrived at `now` and says what to pass on.
+    /// Reads a chunk that arrived at `now` and says what to pass on. The output events it holds
+    /// are stamped by [`Self::delivered`], once the proxy has handed them to the client.
     pub fn on_chunk(&mut self, chunk: Bytes, now: Instant) -> Passed {
         self.first_byte.get_or_insert(now);
-        let had_output = self.first_output.is_some();
+        let had_output = self.output_events > 0;
         let Some(mut parser) = self.sse.take() else {
             self.keep_tail(chunk.clone());
             return Passed {
@@ -274,22 +278,34 @@ impl ResponseMeter {
             };
         };
         let forward = if self.strip_usage {
-            self.strip(&mut parser, chunk, now)
+            self.strip(&mut parser, chunk)
         } else {
             parser.feed(&chunk, |ev| {
-                self.on_event(&ev.data, now);
+                self.on_event(&ev.data);
             });
             Some(chunk)
         };
         self.sse = Some(parser);
         Passed {
             forward,
-            first_output: !had_output && self.first_output.is_some(),
+            first_output: !had_output && self.output_events > 0,
+        }
+    }
+
+    /// The bytes of the last chunk reached the client's connection at `now`: its output events
+    /// happened then, as far as the client can tell (several in one chunk: gaps of zero).
+    pub fn delivered(&mut self, now: Instant) {
+        for _ in 0..std::mem::take(&mut self.undelivered) {
+            if let Some(prev) = self.last_output {
+                self.itl.push(now.saturating_duration_since(prev));
+            }
+            self.first_output.get_or_insert(now);
+            self.last_output = Some(now);
         }
     }
 
     /// Feeds `chunk`, keeping whole events only and leaving out usage-only ones.
-    fn strip(&mut self, parser: &mut SseParser, chunk: Bytes, now: Instant) -> Option<Bytes> {
+    fn strip(&mut self, parser: &mut SseParser, chunk: Bytes) -> Option<Bytes> {
         let mut pieces: Vec<Bytes> = Vec::new();
         let mut held = std::mem::take(&mut self.held);
         let mut run: Option<usize> = None;
@@ -300,7 +316,7 @@ impl ResponseMeter {
         });
         for (end, data) in ends {
             let keep = match data {
-                Some(d) => !self.on_event(&d, now).usage_only,
+                Some(d) => !self.on_event(&d).usage_only,
                 None => true,
             };
             if start == 0 && !held.is_empty() {
@@ -337,15 +353,11 @@ impl ResponseMeter {
         }
     }
 
-    fn on_event(&mut self, data: &str, now: Instant) -> EventInfo {
+    fn on_event(&mut self, data: &str) -> EventInfo {
         let info = classify_event(data);
         if info.output {
             self.output_events += 1;
-            if let Some(prev) = self.last_output {
-                self.itl.push(now - prev);
-            }
-            self.first_output.get_or_insert(now);
-            self.last_output = Some(now);
+            self.undelivered += 1;
         }
         if info.usage.is_some() {
             self.usage = info.usage;
@@ -380,6 +392,8 @@ impl ResponseMeter {
             return None;
         }
         self.end = Some(now);
+        // Events still held back go out now.
+        self.delivered(now);
         if self.sse.is_none() {
             let mut body = Vec::with_capacity(self.tail_len);
             for c in &self.tail {
@@ -521,6 +535,7 @@ mod tests {
             );
             firsts += u32::from(p.first_output);
             out.extend_from_slice(p.forward.as_deref().unwrap_or_default());
+            m.delivered(t0 + Duration::from_millis(i as u64 + 1));
             prev = c;
         }
         let end = t0 + Duration::from_millis(cuts.len() as u64 + 2);
