@@ -4,6 +4,7 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+mod capacity;
 mod demo;
 mod serve;
 
@@ -30,6 +31,9 @@ enum Command {
         #[command(subcommand)]
         command: headroom_loadtest::cli::ReportCommand,
     },
+    /// The capacity note: KV capacity, the decode step's memory split, the knee and the
+    /// recommended admission cap for a model on a GPU.
+    Capacity(capacity::CapacityArgs),
     /// Import public traces or synthesize traces from workload contracts.
     Trace {
         #[command(subcommand)]
@@ -62,6 +66,7 @@ fn main() -> ExitCode {
             Command::Demo(args) => demo::run(args).await,
             Command::Replay(args) => headroom_loadtest::cli::run_replay(*args).await.map(drop),
             Command::Trace { command } => headroom_loadtest::cli::run_trace(command),
+            Command::Capacity(args) => capacity::run(args),
             Command::Report { command } => headroom_loadtest::cli::run_report(command),
         }
     });

@@ -104,6 +104,49 @@ fn the_knee_table_is_computed_by_the_model() {
 }
 
 #[test]
+fn the_capacity_note_of_8b_on_h100() {
+    let out = headroom(&["capacity", "--model", "llama-3.1-8b", "--gpu", "h100"]);
+    assert!(out.status.success());
+    let text = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        text.contains("KV per token           131072 bytes"),
+        "{text}"
+    );
+    assert!(
+        text.contains("KV reads overtake weight reads at batch 49.8"),
+        "{text}"
+    );
+    assert!(
+        text.contains("recommended admission cap: 180 sequences"),
+        "{text}"
+    );
+    let dir = std::env::temp_dir().join(format!("headroom-capacity-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("config.json");
+    std::fs::write(
+        &config,
+        r#"{"hidden_size": 4096, "intermediate_size": 14336, "max_position_embeddings": 131072,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "vocab_size": 128256}"#,
+    )
+    .unwrap();
+    let out = headroom(&[
+        "capacity",
+        "--model",
+        config.to_str().unwrap(),
+        "--gpu",
+        "h100",
+        "--kv-dtype",
+        "fp8",
+        "--json",
+    ]);
+    assert!(out.status.success());
+    let note: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
+    assert_eq!(note["kv_bytes_per_token"], 65536.0);
+    let _ = std::fs::remove_dir_all(&dir);
+}
+
+#[test]
 fn bad_input_gets_a_clear_error() {
     for (args, expected) in [
         (
@@ -138,6 +181,24 @@ fn bad_input_gets_a_clear_error() {
             "must be positive",
         ),
         (vec!["serve"], "needs --config FILE or --backends"),
+        (
+            vec!["capacity", "--model", "gpt-9", "--gpu", "h100"],
+            "unknown model `gpt-9`",
+        ),
+        (
+            vec!["capacity", "--model", "70b", "--gpu", "h100", "--tp", "1"],
+            "does not fit on 1 × H100",
+        ),
+        (
+            vec![
+                "capacity",
+                "--model",
+                "/nonexistent/config.json",
+                "--gpu",
+                "h100",
+            ],
+            "reading /nonexistent/config.json",
+        ),
         (
             vec![
                 "serve",

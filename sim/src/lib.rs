@@ -10,7 +10,8 @@ pub mod faults;
 pub mod kv;
 pub mod kv_events;
 pub mod metrics;
-pub mod profile;
+/// Model and GPU profiles live in headroom-workload, shared with the proxy's capacity model.
+pub use headroom_workload::profile;
 pub mod server;
 pub mod timing;
 

@@ -2,10 +2,12 @@
 //! the proxy and the load tester; depends on neither pingora nor the other headroom crates.
 
 pub mod blocks;
+pub mod capacity;
 pub mod engine_metrics;
 pub mod inspect;
 pub mod measure;
 pub mod openai;
+pub mod profile;
 pub mod realtime;
 pub mod sse;
 pub mod tokenizer;

@@ -1,4 +1,5 @@
-//! Model and GPU profiles: the numbers the step-time model and the KV block count are computed from.
+//! Model and GPU profiles: the numbers the simulator's step-time model, the KV block count and the
+//! capacity note are computed from. Models come from presets or a Hugging Face `config.json`.
 //!
 //! ```text
 //! P_layer   = d·n_q·d_h + 2·d·n_kv·d_h + n_q·d_h·d + 3·d·d_ff          (attention + SwiGLU MLP)
@@ -85,6 +86,55 @@ impl ModelSpec {
             vocab: 128_256,
             tied_embeddings: false,
             max_model_len: 131_072,
+        }
+    }
+
+    /// Reads a Hugging Face `config.json` (Llama, Mistral, Qwen and other decoder-only shapes):
+    /// `num_hidden_layers`, `hidden_size`, `num_attention_heads`, `num_key_value_heads` (absent:
+    /// as many as the query heads), `head_dim` (absent: hidden / heads), `intermediate_size`,
+    /// `vocab_size`, `tie_word_embeddings`, `max_position_embeddings`.
+    pub fn from_hf_config(name: &str, json: &str) -> Result<Self, String> {
+        let v: serde_json::Value =
+            serde_json::from_str(json).map_err(|e| format!("config.json is not JSON: {e}"))?;
+        // Multimodal configs keep the language model's shape under `text_config`.
+        let v = v.get("text_config").unwrap_or(&v);
+        let field = |k: &str| -> Result<u32, String> {
+            v.get(k)
+                .and_then(serde_json::Value::as_u64)
+                .and_then(|x| u32::try_from(x).ok())
+                .filter(|&x| x > 0)
+                .ok_or_else(|| format!("config.json: `{k}` is missing or not a positive integer"))
+        };
+        let heads = field("num_attention_heads")?;
+        let hidden = field("hidden_size")?;
+        let head_dim = field("head_dim").unwrap_or(hidden / heads);
+        Ok(Self {
+            name: name.to_owned(),
+            layers: field("num_hidden_layers")?,
+            hidden,
+            heads,
+            kv_heads: field("num_key_value_heads").unwrap_or(heads),
+            head_dim,
+            ffn: field("intermediate_size")?,
+            vocab: field("vocab_size")?,
+            tied_embeddings: v
+                .get("tie_word_embeddings")
+                .and_then(serde_json::Value::as_bool)
+                .unwrap_or(false),
+            max_model_len: field("max_position_embeddings").unwrap_or(4096),
+        })
+    }
+
+    /// A preset model by name: `llama-3.1-8b` (`8b`) or `llama-3.1-70b` (`70b`).
+    pub fn by_name(name: &str) -> Option<Self> {
+        match name.to_ascii_lowercase().as_str() {
+            "llama-3.1-8b" | "8b" | "meta-llama/llama-3.1-8b-instruct" => {
+                Some(Self::llama_3_1_8b())
+            }
+            "llama-3.1-70b" | "70b" | "meta-llama/llama-3.1-70b-instruct" => {
+                Some(Self::llama_3_1_70b())
+            }
+            _ => None,
         }
     }
 
@@ -221,12 +271,15 @@ impl Deployment {
     /// smallest power-of-two tensor parallelism whose KV cache holds one full context
     /// (70B: TP4 on H100, TP2 on H200).
     pub fn preset(model: &str, gpu: &str) -> Option<Self> {
-        let gpu = GpuSpec::by_name(gpu)?;
-        let model = match model.to_ascii_lowercase().as_str() {
-            "llama-3.1-8b" | "8b" => ModelSpec::llama_3_1_8b(),
-            "llama-3.1-70b" | "70b" => ModelSpec::llama_3_1_70b(),
-            _ => return None,
-        };
+        Some(Self::fitting(
+            ModelSpec::by_name(model)?,
+            GpuSpec::by_name(gpu)?,
+        ))
+    }
+
+    /// `model` on `gpu` at the smallest power-of-two tensor parallelism (up to 8) whose KV cache
+    /// holds one full context.
+    pub fn fitting(model: ModelSpec, gpu: GpuSpec) -> Self {
         let mut tp = 1;
         while tp < 8
             && Self::new(model.clone(), gpu.clone(), tp).kv_blocks(16) * 16
@@ -234,7 +287,7 @@ impl Deployment {
         {
             tp *= 2;
         }
-        Some(Self::new(model, gpu, tp))
+        Self::new(model, gpu, tp)
     }
 
     /// KV-cache memory per GPU after weights and reserve, bytes (may be negative: does not fit).
@@ -297,5 +350,17 @@ mod tests {
             0
         );
         assert!(Deployment::preset("13b", "h100").is_none());
+    }
+
+    #[test]
+    fn a_hugging_face_config_gives_the_preset_shape() {
+        let json = r#"{"architectures": ["LlamaForCausalLM"], "hidden_size": 4096,
+            "intermediate_size": 14336, "max_position_embeddings": 131072,
+            "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+            "tie_word_embeddings": false, "torch_dtype": "bfloat16", "vocab_size": 128256}"#;
+        let m = ModelSpec::from_hf_config("meta-llama/Llama-3.1-8B-Instruct", json).unwrap();
+        assert_eq!(m, ModelSpec::llama_3_1_8b());
+        let err = ModelSpec::from_hf_config("x", r#"{"hidden_size": 4096}"#).unwrap_err();
+        assert!(err.contains("num_attention_heads"), "{err}");
     }
 }
