@@ -53,6 +53,9 @@ pub struct ServeConfig {
     /// Recording every request as a trace.
     #[serde(default)]
     pub capture: CaptureConfig,
+    /// Per-replica caps and the queue at the proxy.
+    #[serde(default)]
+    pub admission: AdmissionConfig,
 }
 
 /// One replica.
@@ -249,6 +252,67 @@ pub struct ClassConfig {
     /// What a good request of the class achieved.
     #[serde(default)]
     pub slo: SloConfig,
+    /// Higher is admitted first when replicas are full.
+    #[serde(default)]
+    pub priority: i32,
+    /// Requests of the class that may wait at the proxy; beyond, 429.
+    #[serde(default = "default_max_queue")]
+    pub max_queue: usize,
+    /// Longest wait at the proxy; past it, 503.
+    #[serde(default = "default_queue_timeout_ms")]
+    pub queue_timeout_ms: u64,
+}
+
+fn default_max_queue() -> usize {
+    1024
+}
+
+fn default_queue_timeout_ms() -> u64 {
+    30_000
+}
+
+/// Admission: each replica takes at most its cap of requests at once; the rest wait at the proxy.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct AdmissionConfig {
+    /// Cap and queue at all (off: every request goes straight to routing).
+    pub enabled: bool,
+    /// Starting cap per replica; absent, derived from the engine's KV capacity
+    /// (`headroom · KV tokens / context_tokens`) once scraped, unlimited until then.
+    pub max_in_flight: Option<u32>,
+    /// Tokens per sequence (prompt + output) the derived cap plans for.
+    pub context_tokens: u32,
+    /// Fraction of the KV cache the derived cap plans to fill.
+    pub headroom: f64,
+    /// Multiplicative cut under pressure.
+    pub beta: f64,
+    /// Additive raise per quiet scrape while the cap holds work back.
+    pub alpha: u32,
+    /// KV cache usage that counts as pressure.
+    pub kv_high: f64,
+    /// Scrapes after a cut before another.
+    pub cooldown_scrapes: u32,
+    /// Lowest cap.
+    pub min_cap: u32,
+    /// Highest cap.
+    pub max_cap: u32,
+}
+
+impl Default for AdmissionConfig {
+    fn default() -> Self {
+        Self {
+            enabled: true,
+            max_in_flight: None,
+            context_tokens: 2_300,
+            headroom: 0.9,
+            beta: 0.8,
+            alpha: 2,
+            kv_high: 0.95,
+            cooldown_scrapes: 2,
+            min_cap: 1,
+            max_cap: 4_096,
+        }
+    }
 }
 
 /// Latency objectives; a request is good when it completed and met every one that is set.
@@ -278,6 +342,9 @@ fn default_classes() -> BTreeMap<String, ClassConfig> {
         "default".to_owned(),
         ClassConfig {
             slo: SloConfig::default(),
+            priority: 0,
+            max_queue: default_max_queue(),
+            queue_timeout_ms: default_queue_timeout_ms(),
         },
     )])
 }
@@ -352,6 +419,7 @@ impl ServeConfig {
             measure: MeasureConfig::default(),
             classes: default_classes(),
             capture: CaptureConfig::default(),
+            admission: AdmissionConfig::default(),
         }
     }
 
@@ -560,6 +628,15 @@ impl Validate for ServeConfig {
             &format!("must name a class in [classes] ({})", names.join(", ")),
         );
         for (name, c) in &self.classes {
+            let kp = field_path(p, &format!("classes.{name}"));
+            check(
+                e,
+                c.queue_timeout_ms > 0,
+                &kp,
+                "queue_timeout_ms",
+                0,
+                "must be positive",
+            );
             let cp = field_path(p, &format!("classes.{name}.slo"));
             for (field, v) in [
                 ("ttft_ms", c.slo.ttft_ms),
@@ -578,6 +655,56 @@ impl Validate for ServeConfig {
                 }
             }
         }
+        let a = &self.admission;
+        let ap = field_path(p, "admission");
+        check(
+            e,
+            a.max_in_flight != Some(0),
+            &ap,
+            "max_in_flight",
+            0,
+            "must be positive (leave it out to derive it from the engine)",
+        );
+        check(
+            e,
+            a.context_tokens > 0,
+            &ap,
+            "context_tokens",
+            0,
+            "must be positive",
+        );
+        check(
+            e,
+            a.headroom > 0.0 && a.headroom <= 1.0,
+            &ap,
+            "headroom",
+            a.headroom,
+            "must be in (0, 1]",
+        );
+        check(
+            e,
+            a.beta > 0.0 && a.beta < 1.0,
+            &ap,
+            "beta",
+            a.beta,
+            "must be in (0, 1)",
+        );
+        check(
+            e,
+            a.kv_high > 0.0 && a.kv_high <= 1.0,
+            &ap,
+            "kv_high",
+            a.kv_high,
+            "must be in (0, 1]",
+        );
+        check(
+            e,
+            a.min_cap >= 1 && a.min_cap <= a.max_cap,
+            &ap,
+            "min_cap",
+            a.min_cap,
+            "must be at least 1 and at most max_cap",
+        );
         let c = &self.capture;
         let cp = field_path(p, "capture");
         if let Some(path) = &c.path {
@@ -639,6 +766,7 @@ mod tests {
         assert_eq!(c.scrape, ScrapeConfig::default());
         assert_eq!(c.measure, MeasureConfig::default());
         assert_eq!(c.classes, default_classes());
+        assert_eq!(c.admission, AdmissionConfig::default());
         assert_eq!(
             c.capture,
             CaptureConfig {

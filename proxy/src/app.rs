@@ -48,6 +48,8 @@ pub struct Headroom {
     pub stats: Arc<Stats>,
     /// The trace capture, when configured.
     pub capture: Option<Arc<Capture>>,
+    /// Per-replica caps and the queue, when enabled.
+    pub admission: Option<Arc<crate::admission::Admission>>,
 }
 
 impl std::fmt::Debug for Headroom {

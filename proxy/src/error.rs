@@ -24,6 +24,10 @@ pub enum ErrorKind {
     UpstreamReset,
     /// A replica sent no response header within `timeouts.first_byte_ms`.
     UpstreamTimeout,
+    /// Every replica is at its cap and the class's queue is full.
+    QueueFull,
+    /// The request waited at the proxy until its class's deadline.
+    QueueTimeout,
 }
 
 /// A failure with its cause; `retryable` says whether another replica may be tried.
@@ -35,6 +39,8 @@ pub struct ProxyError {
     pub retryable: bool,
     /// Human-readable detail, safe to show the client (never prompt text).
     pub detail: String,
+    /// Seconds to wait before trying again, where the proxy estimated it.
+    pub retry_after_s: Option<u32>,
 }
 
 impl ProxyError {
@@ -45,7 +51,14 @@ impl ProxyError {
             kind,
             retryable,
             detail: detail.into(),
+            retry_after_s: None,
         }
+    }
+
+    /// The same error with an estimated `Retry-After`.
+    pub fn with_retry_after(mut self, seconds: u32) -> Self {
+        self.retry_after_s = Some(seconds);
+        self
     }
 
     /// The HTTP status the client receives.
@@ -59,16 +72,24 @@ impl ProxyError {
             ErrorKind::NoBackend => 503,
             ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset => 502,
             ErrorKind::UpstreamTimeout => 504,
+            ErrorKind::QueueFull => 429,
+            ErrorKind::QueueTimeout => 503,
         }
     }
 
     /// Seconds the client should wait before trying again, when it should.
     pub fn retry_after(&self) -> Option<u32> {
-        matches!(
-            self.kind,
-            ErrorKind::NoBackend | ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset
-        )
-        .then_some(1)
+        self.retry_after_s.or_else(|| {
+            matches!(
+                self.kind,
+                ErrorKind::NoBackend
+                    | ErrorKind::UpstreamConnect
+                    | ErrorKind::UpstreamReset
+                    | ErrorKind::QueueFull
+                    | ErrorKind::QueueTimeout
+            )
+            .then_some(1)
+        })
     }
 
     /// A short stable name for metrics and the `x-headroom-error` header.
@@ -83,6 +104,8 @@ impl ProxyError {
             ErrorKind::UpstreamConnect => "upstream_connect",
             ErrorKind::UpstreamReset => "upstream_reset",
             ErrorKind::UpstreamTimeout => "upstream_timeout",
+            ErrorKind::QueueFull => "queue_full",
+            ErrorKind::QueueTimeout => "queue_timeout",
         }
     }
 
@@ -92,6 +115,7 @@ impl ProxyError {
             400 | 413 => "BadRequestError",
             404 => "NotFoundError",
             405 => "MethodNotAllowedError",
+            429 => "RateLimitError",
             _ => "ServiceUnavailableError",
         };
         serde_json::to_vec(&serde_json::json!({
@@ -127,6 +151,8 @@ mod tests {
         );
         let e = ProxyError::new(ErrorKind::UpstreamConnect, "refused");
         assert_eq!((e.status(), e.retryable), (502, true));
+        let e = ProxyError::new(ErrorKind::QueueFull, "full").with_retry_after(7);
+        assert_eq!((e.status(), e.retry_after()), (429, Some(7)));
         let e = ProxyError::new(ErrorKind::UnknownRoute, "/admin");
         assert_eq!((e.status(), e.retry_after()), (404, None));
         let body: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();

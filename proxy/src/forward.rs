@@ -15,6 +15,7 @@ use pingora::protocols::http::client::HttpSession as UpstreamSession;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
+use crate::admission::{Ask, Pick as AdmissionPick, Refusal};
 use crate::app::{Headroom, RequestCtx};
 use crate::error::{ErrorKind, ProxyError};
 use crate::routing::{RouteRequest, RoutingPolicy};
@@ -144,34 +145,98 @@ impl Headroom {
         let mut tried: Vec<usize> = Vec::new();
         let mut last_err: Option<ProxyError> = None;
         for attempt in 0..=self.cfg.limits.retries {
-            let route_start = Instant::now();
-            let mut views = self.fleet.views();
-            if let Some(model) = out.model {
-                let serves: Vec<bool> = self
-                    .fleet
-                    .backends
-                    .iter()
-                    .map(|b| b.serves(model) != Some(false))
-                    .collect();
-                if views.iter().any(|v| v.healthy && serves[v.id]) {
-                    for v in &mut views {
-                        v.healthy &= serves[v.id];
+            let no_backend = |e: String| ProxyError::new(ErrorKind::NoBackend, e);
+            let (pick, _permit) = match (&self.admission, out.record) {
+                (Some(admission), true) => {
+                    let class = self.cfg.classes.get(&ctx.class);
+                    let ask = Ask {
+                        class: &ctx.class,
+                        priority: class.map_or(0, |c| c.priority),
+                        max_queue: class.map_or(1024, |c| c.max_queue),
+                        timeout: Duration::from_millis(
+                            class.map_or(30_000, |c| c.queue_timeout_ms),
+                        ),
+                    };
+                    let mut chosen = None;
+                    let acquired = {
+                        let pick = |room: &[bool]| {
+                            let route_start = Instant::now();
+                            let mut views = self.candidates(out.model, &tried);
+                            if !views.iter().any(|v| v.healthy) {
+                                return Err("no healthy replica".to_owned());
+                            }
+                            for v in &mut views {
+                                v.healthy &= room[v.id];
+                            }
+                            let picked = policy.select(&out.route, &views);
+                            self.metrics
+                                .route_seconds
+                                .observe(route_start.elapsed().as_secs_f64());
+                            Ok(match picked {
+                                Ok(p) => {
+                                    let b = p.backend;
+                                    chosen = Some(p);
+                                    AdmissionPick::Backend(b)
+                                }
+                                Err(_) => AdmissionPick::NoRoom,
+                            })
+                        };
+                        tokio::select! {
+                            r = admission.acquire(&ask, pick) => r,
+                            _ = session.as_downstream_mut().read_body_or_idle(true) => {
+                                self.metrics
+                                    .client_aborts
+                                    .with_label_values(&["none"])
+                                    .inc();
+                                return Ok(Ended::ClientGone);
+                            }
+                        }
+                    };
+                    match (acquired, chosen) {
+                        (Ok(permit), Some(pick)) => (pick, Some(permit)),
+                        (Err(Err(e)), _) => return Err(last_err.unwrap_or_else(|| no_backend(e))),
+                        (Err(Ok(refusal)), _) => {
+                            let (kind, why) = match refusal {
+                                Refusal::QueueFull => (
+                                    ErrorKind::QueueFull,
+                                    format!(
+                                        "every replica is at its admission cap and {} requests of class {} are already waiting",
+                                        ask.max_queue, ctx.class
+                                    ),
+                                ),
+                                Refusal::QueueTimeout => (
+                                    ErrorKind::QueueTimeout,
+                                    format!(
+                                        "waited {} ms for a replica with room (class {})",
+                                        ask.timeout.as_millis(),
+                                        ctx.class
+                                    ),
+                                ),
+                            };
+                            let e = ProxyError::new(kind, why)
+                                .with_retry_after(admission.retry_after());
+                            self.metrics
+                                .refused
+                                .with_label_values(&[&ctx.pool, &ctx.class, e.reason()])
+                                .inc();
+                            return Err(e);
+                        }
+                        (Ok(_), None) => return Err(no_backend("no replica picked".into())),
                     }
                 }
-            }
-            for v in views.iter_mut().filter(|v| tried.contains(&v.id)) {
-                v.healthy = false;
-            }
-            let pick = match policy.select(&out.route, &views) {
-                Ok(p) => p,
-                Err(e) => {
-                    return Err(last_err
-                        .unwrap_or_else(|| ProxyError::new(ErrorKind::NoBackend, e.to_string())));
+                _ => {
+                    let route_start = Instant::now();
+                    let views = self.candidates(out.model, &tried);
+                    let pick = match policy.select(&out.route, &views) {
+                        Ok(p) => p,
+                        Err(e) => return Err(last_err.unwrap_or_else(|| no_backend(e.to_string()))),
+                    };
+                    self.metrics
+                        .route_seconds
+                        .observe(route_start.elapsed().as_secs_f64());
+                    (pick, None)
                 }
             };
-            self.metrics
-                .route_seconds
-                .observe(route_start.elapsed().as_secs_f64());
             let backend = self.fleet.backends[pick.backend].clone();
             if attempt == 0 && out.record {
                 policy.record(&out.route, &pick);
@@ -239,6 +304,29 @@ impl Headroom {
             return Ok(self.relay(session, ctx, started, &mut guard).await);
         }
         Err(last_err.unwrap_or_else(|| ProxyError::new(ErrorKind::NoBackend, "no attempt made")))
+    }
+
+    /// The replicas a request may go to: healthy, not ejected, not tried already, and serving its
+    /// model (unless none does: then an engine answers with its own error).
+    fn candidates(&self, model: Option<&str>, tried: &[usize]) -> Vec<crate::routing::BackendView> {
+        let mut views = self.fleet.views();
+        if let Some(model) = model {
+            let serves: Vec<bool> = self
+                .fleet
+                .backends
+                .iter()
+                .map(|b| b.serves(model) != Some(false))
+                .collect();
+            if views.iter().any(|v| v.healthy && serves[v.id]) {
+                for v in &mut views {
+                    v.healthy &= serves[v.id];
+                }
+            }
+        }
+        for v in views.iter_mut().filter(|v| tried.contains(&v.id)) {
+            v.healthy = false;
+        }
+        views
     }
 
     /// Connects, sends the request and waits for the response header, while watching the client.

@@ -1,6 +1,7 @@
 //! headroom-proxy: the data plane (classify → admit → route → forward → measure → record).
 //!
 //! - `server`: `headroom serve` — listeners, accept loop, background loops, admin endpoints
+//! - `admission/`: per-replica caps (AIMD from engine gauges), the priority queue, permits
 //! - `app`: the pingora application; every request is answered in `request_filter`
 //! - `forward`: one request's exchange with the replicas (retries, streaming relay, cancellation)
 //! - `routing/`: pure, synchronous policies and the prefix index
@@ -9,6 +10,7 @@
 //! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
 //! - `error`: proxy-made answers and their HTTP statuses, in one place
 
+pub mod admission;
 pub mod app;
 pub mod error;
 pub mod forward;

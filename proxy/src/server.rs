@@ -18,6 +18,8 @@ use pingora::server::configuration::ServerConf;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
+use crate::admission::Admission;
+use crate::admission::cap::{CapParams, Change, Feedback};
 use crate::app::Headroom;
 use crate::routing::{
     ConsistentHash, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin, RoutingPolicy, Session,
@@ -62,6 +64,8 @@ pub struct ServeHandle {
     pub stats: Arc<Stats>,
     /// The trace capture, when configured.
     pub capture: Option<Arc<Capture>>,
+    /// Admission, when enabled.
+    pub admission: Option<Arc<Admission>>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -119,6 +123,21 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let metrics = Arc::new(Metrics::new());
     let stats = Arc::new(Stats::default());
     let capture = Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new);
+    let a = &cfg.admission;
+    let admission = a.enabled.then(|| {
+        Admission::new(
+            cfg.backends.len(),
+            a.max_in_flight,
+            CapParams {
+                beta: a.beta,
+                alpha: a.alpha,
+                kv_high: a.kv_high,
+                cooldown: a.cooldown_scrapes,
+                min_cap: a.min_cap,
+                max_cap: a.max_cap,
+            },
+        )
+    });
     let http = reqwest::Client::builder()
         .pool_idle_timeout(Duration::from_secs(30))
         .build()
@@ -138,6 +157,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         http: http.clone(),
         stats: stats.clone(),
         capture: capture.clone(),
+        admission: admission.clone(),
     };
 
     let bind = |addr: String| async move {
@@ -165,7 +185,12 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     ));
     tasks.push(tokio::spawn(accept_loop(listener, app, stop_rx.clone())));
 
-    let admin = admin_router(fleet.clone(), metrics.clone(), stats.clone());
+    let admin = admin_router(
+        fleet.clone(),
+        metrics.clone(),
+        stats.clone(),
+        admission.clone(),
+    );
     let mut admin_stop = stop_rx.clone();
     tasks.push(tokio::spawn(async move {
         let _ = axum::serve(admin_listener, admin)
@@ -184,11 +209,44 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let block_tokens = u64::from(cfg.routing.block_tokens);
     let sized_by_config = cfg.routing.index_blocks.is_some();
     let scrape_metrics = metrics.clone();
+    let scrape_admission = admission.clone();
+    let (plan_context, plan_headroom) = (
+        f64::from(cfg.admission.context_tokens),
+        cfg.admission.headroom,
+    );
     let on_scrape: OnScrape = Arc::new(move |b, g| {
         scrape_metrics.engine_scraped(b, g);
         if !sized_by_config {
             if let Some(tokens) = g.kv_capacity_tokens() {
                 policy.set_capacity(b.id, (tokens / block_tokens) as usize);
+            }
+        }
+        if let Some(adm) = &scrape_admission {
+            if let Some(tokens) = g.kv_capacity_tokens() {
+                // The capacity note's cap: headroom · KV tokens / context.
+                adm.initialize(
+                    b.id,
+                    (plan_headroom * tokens as f64 / plan_context).floor() as u32,
+                );
+            }
+            let change = adm.on_feedback(
+                b.id,
+                Feedback {
+                    preemptions_total: g.preemptions_total,
+                    kv_usage: g.kv_usage,
+                    waiting: g.waiting,
+                },
+            );
+            let direction = match change {
+                Change::Raised => "raised",
+                Change::Cut => "cut",
+                Change::Held => "",
+            };
+            if !direction.is_empty() {
+                scrape_metrics
+                    .cap_changes
+                    .with_label_values(&[&b.name, direction])
+                    .inc();
             }
         }
     });
@@ -207,6 +265,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         metrics,
         stats,
         capture,
+        admission,
         stop,
         tasks,
     })
@@ -243,19 +302,38 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
     }
 }
 
-fn admin_router(fleet: Arc<Fleet>, metrics: Arc<Metrics>, stats: Arc<Stats>) -> Router {
+fn admin_router(
+    fleet: Arc<Fleet>,
+    metrics: Arc<Metrics>,
+    stats: Arc<Stats>,
+    admission: Option<Arc<Admission>>,
+) -> Router {
     let ready_fleet = fleet.clone();
     let (stats_fleet, stats_metrics) = (fleet.clone(), metrics.clone());
+    let (stats_admission, metrics_admission) = (admission.clone(), admission);
     Router::new()
         .route(
             "/stats",
             get(move || {
-                let (fleet, metrics, stats) =
-                    (stats_fleet.clone(), stats_metrics.clone(), stats.clone());
+                let (fleet, metrics, stats, admission) = (
+                    stats_fleet.clone(),
+                    stats_metrics.clone(),
+                    stats.clone(),
+                    stats_admission.clone(),
+                );
                 async move {
+                    let mut backends = metrics.backend_stats(&fleet);
+                    let mut queued = serde_json::Value::Null;
+                    if let Some(a) = &admission {
+                        for (b, (cap, admitted)) in backends.iter_mut().zip(a.slots()) {
+                            b["admission"] = serde_json::json!({"cap": cap, "in_flight": admitted});
+                        }
+                        queued = serde_json::json!(a.queued());
+                    }
                     axum::Json(serde_json::json!({
                         "windows": stats.snapshot(std::time::Instant::now()),
-                        "backends": metrics.backend_stats(&fleet),
+                        "backends": backends,
+                        "queued": queued,
                     }))
                 }
             }),
@@ -263,9 +341,13 @@ fn admin_router(fleet: Arc<Fleet>, metrics: Arc<Metrics>, stats: Arc<Stats>) -> 
         .route(
             "/metrics",
             get(move || {
-                let (fleet, metrics) = (fleet.clone(), metrics.clone());
+                let (fleet, metrics, admission) =
+                    (fleet.clone(), metrics.clone(), metrics_admission.clone());
                 async move {
                     metrics.refresh(&fleet);
+                    if let Some(a) = &admission {
+                        metrics.refresh_admission(&fleet, a);
+                    }
                     (
                         [("content-type", "text/plain; version=0.0.4")],
                         metrics.render(),

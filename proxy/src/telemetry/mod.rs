@@ -74,6 +74,11 @@ pub struct Metrics {
     pub capture: capture::CaptureCounters,
     /// Requests not captured, by reason.
     pub capture_skipped: IntCounterVec,
+    /// Requests refused by admission, by pool, class and reason.
+    pub refused: IntCounterVec,
+    /// Admission cap changes, by backend and direction.
+    pub cap_changes: IntCounterVec,
+    admission: AdmissionGauges,
     /// Time spent routing (inspection excluded).
     pub route_seconds: Histogram,
     /// Responses cut by the replica or an idle timeout after they started, by backend.
@@ -82,6 +87,13 @@ pub struct Metrics {
     pub client_aborts: IntCounterVec,
     backend: BackendGauges,
     last: Mutex<Vec<BackendTotals>>,
+}
+
+#[derive(Debug)]
+struct AdmissionGauges {
+    cap: FloatGaugeVec,
+    admitted: FloatGaugeVec,
+    queued: FloatGaugeVec,
 }
 
 #[derive(Debug)]
@@ -261,6 +273,34 @@ impl Metrics {
                 "Requests deliberately not captured, by reason (sampled_out, no_prompt).",
                 &["reason"],
             ),
+            refused: counter(
+                "headroom_admission_refused_total",
+                "Requests refused at admission, by reason (queue_full: 429, queue_timeout: 503).",
+                &["pool", "class", "reason"],
+            ),
+            cap_changes: counter(
+                "headroom_admission_cap_changes_total",
+                "Admission cap changes from engine feedback, by direction (raised, cut).",
+                &["backend", "direction"],
+            ),
+            admission: AdmissionGauges {
+                cap: fgauge(
+                    "headroom_admission_cap",
+                    "Requests the replica may have in flight at once (absent: not yet known).",
+                ),
+                admitted: fgauge(
+                    "headroom_admission_in_flight",
+                    "Admission permits held on the replica.",
+                ),
+                queued: FloatGaugeVec::new(
+                    Opts::new(
+                        "headroom_queue_depth",
+                        "Requests waiting at the proxy for a replica with room, by class.",
+                    ),
+                    &["class"],
+                )
+                .expect("valid metric"),
+            },
             route_seconds: Histogram::with_opts(
                 HistogramOpts::new(
                     "headroom_route_seconds",
@@ -365,6 +405,11 @@ impl Metrics {
             Box::new(m.capture.dropped.clone()),
             Box::new(m.capture.rotations.clone()),
             Box::new(m.capture_skipped.clone()),
+            Box::new(m.refused.clone()),
+            Box::new(m.cap_changes.clone()),
+            Box::new(m.admission.cap.clone()),
+            Box::new(m.admission.admitted.clone()),
+            Box::new(m.admission.queued.clone()),
             Box::new(m.route_seconds.clone()),
             Box::new(m.upstream_cut.clone()),
             Box::new(m.client_aborts.clone()),
@@ -464,6 +509,34 @@ impl Metrics {
                 .with_label_values(&name)
                 .inc_by((ej - t.ejections).max(0.0));
             t.ejections = ej;
+        }
+    }
+
+    /// Reads admission state into its gauges.
+    pub fn refresh_admission(&self, fleet: &Fleet, admission: &crate::admission::Admission) {
+        for (b, (cap, admitted)) in fleet.backends.iter().zip(admission.slots()) {
+            let name = [b.name.as_str()];
+            match cap {
+                Some(c) => self
+                    .admission
+                    .cap
+                    .with_label_values(&name)
+                    .set(f64::from(c)),
+                None => {
+                    let _ = self.admission.cap.remove_label_values(&name);
+                }
+            }
+            self.admission
+                .admitted
+                .with_label_values(&name)
+                .set(f64::from(admitted));
+        }
+        self.admission.queued.reset();
+        for (class, n) in admission.queued() {
+            self.admission
+                .queued
+                .with_label_values(&[&class])
+                .set(n as f64);
         }
     }
 

@@ -1,0 +1,245 @@
+//! One replica's admission cap, adapted from the engine's own gauges: cut multiplicatively when the
+//! replica shows it is holding too much, raised additively while the cap is what holds work back
+//! and the replica is quiet.
+//!
+//! ```text
+//! cap_0 = configured max_in_flight, else ⌊headroom · KV_tokens / context⌋ once the engine reports
+//!         its KV capacity (vllm:cache_config_info), else unlimited until then
+//! per scrape:
+//!   pressure = preemptions rose ∨ KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
+//!   pressure ∧ no cut in the last `cooldown` scrapes  → cap ← max(min_cap, ⌊β·cap⌋)
+//!   ¬pressure ∧ the cap turned work away since the last scrape
+//!                                                     → cap ← min(max_cap, cap + α)
+//! ```
+//!
+//! | parameter | meaning | default |
+//! |---|---|---|
+//! | β | multiplicative cut | 0.8 |
+//! | α | additive raise per quiet scrape | 2 |
+//! | kv_high | KV cache usage that counts as pressure | 0.95 |
+//! | cooldown | scrapes after a cut before the next cut | 2 |
+//! | min_cap, max_cap | bounds | 1, 4096 |
+
+/// How the cap moves.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct CapParams {
+    /// Multiplicative cut.
+    pub beta: f64,
+    /// Additive raise.
+    pub alpha: u32,
+    /// KV usage that counts as pressure.
+    pub kv_high: f64,
+    /// Scrapes after a cut before another.
+    pub cooldown: u32,
+    /// Lowest cap.
+    pub min_cap: u32,
+    /// Highest cap.
+    pub max_cap: u32,
+}
+
+impl Default for CapParams {
+    fn default() -> Self {
+        Self {
+            beta: 0.8,
+            alpha: 2,
+            kv_high: 0.95,
+            cooldown: 2,
+            min_cap: 1,
+            max_cap: 4096,
+        }
+    }
+}
+
+/// What a scrape said about the replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Feedback {
+    /// Preemptions since the engine started.
+    pub preemptions_total: Option<f64>,
+    /// KV cache usage, 0..1.
+    pub kv_usage: Option<f64>,
+    /// Sequences waiting in the engine.
+    pub waiting: Option<f64>,
+}
+
+/// How the cap changed on a scrape.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Change {
+    /// Unchanged.
+    Held,
+    /// Raised.
+    Raised,
+    /// Cut.
+    Cut,
+}
+
+/// The cap of one replica.
+#[derive(Debug, Clone)]
+pub struct CapController {
+    params: CapParams,
+    cap: Option<u32>,
+    binding: bool,
+    last: Feedback,
+    since_cut: u32,
+}
+
+impl CapController {
+    /// A cap starting at `initial` (None: unlimited until set).
+    pub fn new(initial: Option<u32>, params: CapParams) -> Self {
+        Self {
+            params,
+            cap: initial.map(|c| c.clamp(params.min_cap, params.max_cap)),
+            binding: false,
+            last: Feedback::default(),
+            since_cut: u32::MAX,
+        }
+    }
+
+    /// The cap; None is unlimited.
+    pub fn cap(&self) -> Option<u32> {
+        self.cap
+    }
+
+    /// Sets the cap when none is set yet (from the engine's reported capacity).
+    pub fn initialize(&mut self, cap: u32) {
+        if self.cap.is_none() {
+            self.cap = Some(cap.clamp(self.params.min_cap, self.params.max_cap));
+        }
+    }
+
+    /// Whether `in_flight` leaves room for one more; when not, the cap is binding.
+    pub fn has_room(&mut self, in_flight: u32) -> bool {
+        match self.cap {
+            Some(c) if in_flight >= c => {
+                self.binding = true;
+                false
+            }
+            _ => true,
+        }
+    }
+
+    /// Adapts the cap to a scrape.
+    pub fn on_feedback(&mut self, f: Feedback) -> Change {
+        let p = self.params;
+        let preempted = matches!(
+            (f.preemptions_total, self.last.preemptions_total),
+            (Some(now), Some(before)) if now > before
+        );
+        let full = f.kv_usage.is_some_and(|u| u >= p.kv_high);
+        let queueing = matches!(
+            (f.waiting, self.last.waiting),
+            (Some(now), Some(before)) if now >= 2.0 && now > before
+        );
+        self.last = f;
+        self.since_cut = self.since_cut.saturating_add(1);
+        let binding = std::mem::take(&mut self.binding);
+        let Some(cap) = self.cap else {
+            return Change::Held;
+        };
+        if preempted || full || queueing {
+            if self.since_cut <= p.cooldown {
+                return Change::Held;
+            }
+            let cut = ((f64::from(cap) * p.beta).floor() as u32).max(p.min_cap);
+            self.since_cut = 0;
+            if cut < cap {
+                self.cap = Some(cut);
+                return Change::Cut;
+            }
+            return Change::Held;
+        }
+        if binding && cap < p.max_cap {
+            self.cap = Some((cap + p.alpha).min(p.max_cap));
+            return Change::Raised;
+        }
+        Change::Held
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn quiet(preemptions: f64) -> Feedback {
+        Feedback {
+            preemptions_total: Some(preemptions),
+            kv_usage: Some(0.5),
+            waiting: Some(0.0),
+        }
+    }
+
+    #[test]
+    fn preemptions_cut_and_quiet_binding_periods_raise() {
+        let mut c = CapController::new(Some(100), CapParams::default());
+        assert_eq!(c.on_feedback(quiet(0.0)), Change::Held);
+        // A quiet scrape raises the cap only if it turned work away.
+        assert_eq!(c.on_feedback(quiet(0.0)), Change::Held);
+        assert!(!c.has_room(100));
+        assert_eq!(c.on_feedback(quiet(0.0)), Change::Raised);
+        assert_eq!(c.cap(), Some(102));
+        // Preemptions rose: cut by β, then no second cut within the cooldown.
+        assert_eq!(c.on_feedback(quiet(3.0)), Change::Cut);
+        assert_eq!(c.cap(), Some(81));
+        assert_eq!(c.on_feedback(quiet(5.0)), Change::Held);
+        assert_eq!(c.on_feedback(quiet(7.0)), Change::Held);
+        assert_eq!(c.on_feedback(quiet(9.0)), Change::Cut);
+        assert_eq!(c.cap(), Some(64));
+        // KV nearly full is pressure too; so is an engine queue that keeps growing.
+        let mut c = CapController::new(Some(50), CapParams::default());
+        c.on_feedback(quiet(0.0));
+        let full = Feedback {
+            kv_usage: Some(0.97),
+            ..quiet(0.0)
+        };
+        assert_eq!(c.on_feedback(full), Change::Cut);
+        let mut c = CapController::new(Some(50), CapParams::default());
+        for (w, want) in [(0.0, Change::Held), (3.0, Change::Cut), (5.0, Change::Held)] {
+            let f = Feedback {
+                waiting: Some(w),
+                ..quiet(0.0)
+            };
+            assert_eq!(c.on_feedback(f), want, "waiting {w}");
+        }
+    }
+
+    #[test]
+    fn an_unset_cap_waits_for_the_engines_capacity_and_stays_in_bounds() {
+        let mut c = CapController::new(None, CapParams::default());
+        assert!(c.has_room(1_000_000));
+        assert_eq!(c.on_feedback(quiet(5.0)), Change::Held);
+        c.initialize(180);
+        c.initialize(999);
+        assert_eq!(c.cap(), Some(180));
+        let mut low = CapController::new(Some(1), CapParams::default());
+        low.on_feedback(quiet(0.0));
+        low.on_feedback(quiet(1.0));
+        assert_eq!(low.cap(), Some(1));
+    }
+
+    /// A replica that preempts above `knee` sequences: from a cap far too high and from one far too
+    /// low, the cap settles within 20% below the knee.
+    #[test]
+    fn the_cap_settles_near_the_preemption_point_from_either_side() {
+        for start in [20, 1000] {
+            let knee = 180;
+            let mut c = CapController::new(Some(start), CapParams::default());
+            let mut preemptions = 0.0;
+            let mut caps = Vec::new();
+            for _ in 0..600 {
+                // Demand always exceeds the cap: the replica runs at the cap.
+                let running = c.cap().unwrap();
+                c.has_room(running);
+                if running > knee {
+                    preemptions += f64::from(running - knee);
+                }
+                c.on_feedback(quiet(preemptions));
+                caps.push(c.cap().unwrap());
+            }
+            let tail = &caps[400..];
+            let mean = tail.iter().map(|&x| f64::from(x)).sum::<f64>() / tail.len() as f64;
+            assert!(
+                (0.8 * f64::from(knee)..=f64::from(knee) * 1.05).contains(&mean),
+                "from {start}: mean cap {mean}"
+            );
+        }
+    }
+}

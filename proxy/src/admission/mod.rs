@@ -1,0 +1,363 @@
+//! Admission: each replica takes at most its cap of requests at once (`cap.rs`), the proxy queues
+//! what does not fit, in priority order with a deadline per class, and refuses with 429 (queue
+//! full) or 503 (deadline passed) and a `Retry-After`. Nothing waits unanswered.
+//!
+//! ```text
+//! acquire(class):  some replica has room and nobody of equal or higher priority waits
+//!                    → the routing policy picks among replicas with room → a Permit
+//!                  else queue full  → Refused(queue_full, 429)
+//!                  else wait, woken when a permit is released or a cap rises; at the deadline
+//!                       → Refused(queue_timeout, 503)
+//! Permit::drop:    the replica's count falls and the first waiter is woken
+//! ```
+//!
+//! The counts are the proxy's own (dispatch decisions cannot wait for scraped metrics), and the
+//! permit is a guard: however the request ends, dropping it releases the slot.
+
+pub mod cap;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use cap::{CapController, CapParams, Change, Feedback};
+use tokio::sync::oneshot;
+
+/// Why a request was refused.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Refusal {
+    /// The class's queue is at its bound.
+    QueueFull,
+    /// The request waited until its class's deadline.
+    QueueTimeout,
+}
+
+/// Where a request waits: higher priority first, then arrival order.
+type WaitKey = (std::cmp::Reverse<i32>, u64);
+
+#[derive(Debug)]
+struct Slot {
+    cap: CapController,
+    in_flight: u32,
+}
+
+#[derive(Debug)]
+struct Inner {
+    slots: Vec<Slot>,
+    waiters: BTreeMap<WaitKey, oneshot::Sender<()>>,
+    queued_by_class: BTreeMap<String, usize>,
+    next_seq: u64,
+    /// Completions per second, smoothed, for Retry-After.
+    done_rate: f64,
+    last_done: Option<Instant>,
+}
+
+/// The fleet's admission state.
+#[derive(Debug)]
+pub struct Admission {
+    inner: Mutex<Inner>,
+}
+
+/// One request's slot on one replica; released on drop.
+#[derive(Debug)]
+pub struct Permit {
+    admission: Arc<Admission>,
+    backend: usize,
+}
+
+impl Drop for Permit {
+    fn drop(&mut self) {
+        let mut g = self.admission.lock();
+        let slot = &mut g.slots[self.backend];
+        slot.in_flight = slot.in_flight.saturating_sub(1);
+        let now = Instant::now();
+        if let Some(prev) = g.last_done {
+            let dt = now.saturating_duration_since(prev).as_secs_f64().max(1e-3);
+            g.done_rate = 0.9 * g.done_rate + 0.1 / dt;
+        }
+        g.last_done = Some(now);
+        wake_first(&mut g, 1);
+    }
+}
+
+fn wake_first(g: &mut Inner, n: usize) {
+    for _ in 0..n {
+        let Some((_, tx)) = g.waiters.pop_first() else {
+            return;
+        };
+        // A waiter that timed out meanwhile passes the wake on (see `acquire`).
+        let _ = tx.send(());
+    }
+}
+
+/// What a request is admitted as.
+#[derive(Debug, Clone)]
+pub struct Ask<'a> {
+    /// Its class (queue accounting).
+    pub class: &'a str,
+    /// Higher goes first.
+    pub priority: i32,
+    /// Most requests of the class that may wait.
+    pub max_queue: usize,
+    /// Longest wait.
+    pub timeout: Duration,
+}
+
+/// The outcome of a pick under the admission lock.
+#[derive(Debug)]
+pub enum Pick {
+    /// This replica.
+    Backend(usize),
+    /// Healthy replicas exist but none of those with room suits.
+    NoRoom,
+}
+
+impl Admission {
+    /// Admission over `n` replicas whose caps start at `initial` (None: unlimited until the engine
+    /// reports its capacity).
+    pub fn new(n: usize, initial: Option<u32>, params: CapParams) -> Arc<Self> {
+        Arc::new(Self {
+            inner: Mutex::new(Inner {
+                slots: (0..n)
+                    .map(|_| Slot {
+                        cap: CapController::new(initial, params),
+                        in_flight: 0,
+                    })
+                    .collect(),
+                waiters: BTreeMap::new(),
+                queued_by_class: BTreeMap::new(),
+                next_seq: 0,
+                done_rate: 0.0,
+                last_done: None,
+            }),
+        })
+    }
+
+    fn lock(&self) -> MutexGuard<'_, Inner> {
+        self.inner.lock().unwrap_or_else(|e| e.into_inner())
+    }
+
+    /// Takes a slot: `pick` gets which replicas have room and chooses one (the routing policy,
+    /// synchronous, under the lock so that two requests cannot take the same last slot).
+    /// `Err(Ok(refusal))` is a refusal; `Err(Err(e))` is `pick`'s own error (no healthy replica).
+    pub async fn acquire<E>(
+        self: &Arc<Self>,
+        ask: &Ask<'_>,
+        mut pick: impl FnMut(&[bool]) -> Result<Pick, E>,
+    ) -> Result<Permit, Result<Refusal, E>> {
+        let deadline = tokio::time::Instant::now() + ask.timeout;
+        let mut key: Option<WaitKey> = None;
+        loop {
+            let rx = {
+                let mut g = self.lock();
+                let first_in_line = match (&key, g.waiters.first_key_value()) {
+                    (_, None) => true,
+                    (Some(k), Some((head, _))) => k <= head,
+                    (None, Some((head, _))) => head.0 > std::cmp::Reverse(ask.priority),
+                };
+                if first_in_line {
+                    let room: Vec<bool> = g
+                        .slots
+                        .iter_mut()
+                        .map(|s| s.cap.has_room(s.in_flight))
+                        .collect();
+                    match pick(&room) {
+                        Err(e) => return Err(Err(e)),
+                        Ok(Pick::Backend(b)) => {
+                            g.slots[b].in_flight += 1;
+                            if key.is_some() {
+                                release_queue_entry(&mut g, ask.class);
+                                // Others may fit where this one did not.
+                                let free = g.slots.iter_mut().any(|s| s.cap.has_room(s.in_flight));
+                                if free {
+                                    wake_first(&mut g, 1);
+                                }
+                            }
+                            return Ok(Permit {
+                                admission: self.clone(),
+                                backend: b,
+                            });
+                        }
+                        Ok(Pick::NoRoom) => {}
+                    }
+                }
+                let k = match key {
+                    Some(k) => k,
+                    None => {
+                        let queued = g.queued_by_class.get(ask.class).copied().unwrap_or(0);
+                        if queued >= ask.max_queue {
+                            return Err(Ok(Refusal::QueueFull));
+                        }
+                        *g.queued_by_class.entry(ask.class.to_owned()).or_default() += 1;
+                        let k = (std::cmp::Reverse(ask.priority), g.next_seq);
+                        g.next_seq += 1;
+                        key = Some(k);
+                        k
+                    }
+                };
+                let (tx, rx) = oneshot::channel();
+                g.waiters.insert(k, tx);
+                rx
+            };
+            let woken = tokio::time::timeout_at(deadline, rx).await;
+            if woken.is_err() {
+                let mut g = self.lock();
+                let still_waiting = key.is_some_and(|k| g.waiters.remove(&k).is_some());
+                if !still_waiting {
+                    // Woken just as the deadline passed: hand the wake to the next in line.
+                    wake_first(&mut g, 1);
+                }
+                release_queue_entry(&mut g, ask.class);
+                return Err(Ok(Refusal::QueueTimeout));
+            }
+        }
+    }
+
+    /// Seconds a refused client should wait: the queue ahead over the recent completion rate,
+    /// between 1 and 60.
+    pub fn retry_after(&self) -> u32 {
+        let g = self.lock();
+        let queued = g.waiters.len() as f64 + 1.0;
+        let rate = g.done_rate.max(0.1);
+        (queued / rate).ceil().clamp(1.0, 60.0) as u32
+    }
+
+    /// Feeds a replica's scrape to its cap; a raised cap wakes waiters.
+    pub fn on_feedback(&self, backend: usize, f: Feedback) -> Change {
+        let mut g = self.lock();
+        let Some(slot) = g.slots.get_mut(backend) else {
+            return Change::Held;
+        };
+        let before = slot.cap.cap();
+        let change = slot.cap.on_feedback(f);
+        if let (Change::Raised, Some(b), Some(a)) = (change, before, slot.cap.cap()) {
+            wake_first(&mut g, (a - b) as usize);
+        }
+        change
+    }
+
+    /// Sets a replica's cap from its reported capacity, when no cap is set yet.
+    pub fn initialize(&self, backend: usize, cap: u32) {
+        let mut g = self.lock();
+        if let Some(s) = g.slots.get_mut(backend) {
+            let was_unlimited = s.cap.cap().is_none();
+            s.cap.initialize(cap);
+            if was_unlimited {
+                // Waiters queued only for lack of room elsewhere re-check.
+                let n = g.waiters.len();
+                wake_first(&mut g, n);
+            }
+        }
+    }
+
+    /// Each replica's cap (None: unlimited) and admitted count.
+    pub fn slots(&self) -> Vec<(Option<u32>, u32)> {
+        self.lock()
+            .slots
+            .iter()
+            .map(|s| (s.cap.cap(), s.in_flight))
+            .collect()
+    }
+
+    /// Requests waiting, by class.
+    pub fn queued(&self) -> BTreeMap<String, usize> {
+        self.lock().queued_by_class.clone()
+    }
+}
+
+fn release_queue_entry(g: &mut Inner, class: &str) {
+    if let Some(n) = g.queued_by_class.get_mut(class) {
+        *n = n.saturating_sub(1);
+        if *n == 0 {
+            g.queued_by_class.remove(class);
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ask(class: &str, priority: i32) -> Ask<'_> {
+        Ask {
+            class,
+            priority,
+            max_queue: 2,
+            timeout: Duration::from_secs(5),
+        }
+    }
+
+    /// Picks the first replica with room.
+    fn first(room: &[bool]) -> Result<Pick, ()> {
+        Ok(room
+            .iter()
+            .position(|&r| r)
+            .map_or(Pick::NoRoom, Pick::Backend))
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_full_fleet_queues_by_priority_refuses_past_the_bound_and_releases_on_drop() {
+        let a = Admission::new(2, Some(1), CapParams::default());
+        let p1 = a.acquire(&ask("batch", 0), first).await.unwrap();
+        let p2 = a.acquire(&ask("batch", 0), first).await.unwrap();
+        assert_eq!((p1.backend, p2.backend), (0, 1));
+        let wait = |class: &'static str, priority: i32| {
+            let a = a.clone();
+            tokio::spawn(async move { a.acquire(&ask(class, priority), first).await })
+        };
+        // Both replicas full: a batch request and an interactive one wait; the interactive one is
+        // served first although it came second.
+        let batch = wait("batch", 0);
+        tokio::task::yield_now().await;
+        let interactive = wait("interactive", 10);
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 2);
+        // A third batch request fits in its class's queue (bound 2); a fourth does not.
+        let third = wait("batch", 0);
+        tokio::task::yield_now().await;
+        assert!(matches!(
+            a.acquire(&ask("batch", 0), first).await,
+            Err(Ok(Refusal::QueueFull))
+        ));
+        drop(p2);
+        let pi = interactive.await.unwrap().unwrap();
+        assert_eq!(pi.backend, 1);
+        assert!(!batch.is_finished());
+        drop(p1);
+        let pb = batch.await.unwrap().unwrap();
+        assert_eq!(pb.backend, 0);
+        // Nobody releases again: the third waits out its deadline and is refused.
+        assert!(matches!(
+            third.await.unwrap(),
+            Err(Ok(Refusal::QueueTimeout))
+        ));
+        assert!(a.queued().is_empty());
+        assert!(a.retry_after() >= 1);
+        drop((pi, pb));
+        assert_eq!(a.slots(), vec![(Some(1), 0), (Some(1), 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn slots_come_back_to_zero_and_raised_caps_wake_waiters() {
+        let a = Admission::new(1, Some(1), CapParams::default());
+        let p = a.acquire(&ask("c", 0), first).await.unwrap();
+        let waiter = tokio::spawn({
+            let a = a.clone();
+            async move { a.acquire(&ask("c", 0), first).await.is_ok() }
+        });
+        tokio::task::yield_now().await;
+        // The cap was binding and the replica is quiet: it rises, and the waiter gets in.
+        let quiet = Feedback {
+            preemptions_total: Some(0.0),
+            kv_usage: Some(0.1),
+            waiting: Some(0.0),
+        };
+        assert_eq!(a.on_feedback(0, quiet), Change::Raised);
+        assert!(waiter.await.unwrap());
+        drop(p);
+        assert_eq!(a.slots(), vec![(Some(3), 0)]);
+        // No healthy replica is the picker's error, passed through.
+        let err = a.acquire(&ask("c", 0), |_| Err::<Pick, &str>("none")).await;
+        assert!(matches!(err, Err(Err("none"))));
+    }
+}

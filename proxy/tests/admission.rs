@@ -1,0 +1,144 @@
+//! Admission end to end, in-process: a replica at its cap makes requests wait at the proxy in
+//! priority order; a full queue is refused with 429 and a waited-out deadline with 503, both with
+//! Retry-After; every permit and queue entry is back to zero at rest.
+
+use std::collections::BTreeMap;
+use std::time::{Duration, Instant};
+
+use headroom_config::serve::{ClassConfig, ServeConfig, SloConfig};
+use headroom_proxy::ServeHandle;
+use headroom_sim::{RunningReplica, SimArgs, start_replica};
+use serde_json::json;
+
+async fn sim() -> RunningReplica {
+    let args = SimArgs::from_flags([
+        "--latency-model",
+        "constant",
+        "--time-to-first-token",
+        "5",
+        "--inter-token-latency",
+        "5",
+    ])
+    .unwrap();
+    start_replica(
+        args.build_replica(0).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap()
+}
+
+fn class(priority: i32, max_queue: usize, queue_timeout_ms: u64) -> ClassConfig {
+    ClassConfig {
+        slo: SloConfig::default(),
+        priority,
+        max_queue,
+        queue_timeout_ms,
+    }
+}
+
+async fn proxy(url: String) -> ServeHandle {
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[url], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.admission.max_in_flight = Some(1);
+    // No engine feedback: the cap stays where it is put.
+    cfg.scrape.interval_ms = 0;
+    cfg.classes = BTreeMap::from([
+        ("default".to_owned(), class(0, 2, 30_000)),
+        ("interactive".to_owned(), class(10, 8, 30_000)),
+        ("impatient".to_owned(), class(0, 8, 50)),
+    ]);
+    headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap()
+}
+
+/// Sends a streamed chat request of `tokens` output tokens as `class`; returns (status,
+/// Retry-After, time to the end of the body).
+async fn send(
+    addr: std::net::SocketAddr,
+    class: &str,
+    tokens: u32,
+) -> (u16, Option<String>, Duration) {
+    let t0 = Instant::now();
+    let resp = reqwest::Client::new()
+        .post(format!("http://{addr}/v1/chat/completions"))
+        .header("x-headroom-class", class)
+        .json(
+            &json!({"messages": [{"role": "user", "content": "go"}], "max_tokens": tokens,
+            "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let status = resp.status().as_u16();
+    let retry = resp
+        .headers()
+        .get("retry-after")
+        .map(|v| v.to_str().unwrap().to_owned());
+    resp.bytes().await.unwrap();
+    (status, retry, t0.elapsed())
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() {
+    let r = sim().await;
+    let p = proxy(r.url()).await;
+    let addr = p.addr;
+    let admission = p.admission.clone().unwrap();
+    // One long request holds the only slot (~300 ms).
+    let holder = tokio::spawn(send(addr, "default", 60));
+    while admission.slots()[0].1 == 0 {
+        tokio::task::yield_now().await;
+    }
+    // Two default requests queue (the class's bound), a third is refused at once.
+    let d1 = tokio::spawn(send(addr, "default", 5));
+    let d2 = tokio::spawn(send(addr, "default", 5));
+    while admission.queued().get("default").copied().unwrap_or(0) < 2 {
+        tokio::task::yield_now().await;
+    }
+    let (status, retry, _) = send(addr, "default", 5).await;
+    assert_eq!(status, 429);
+    assert!(retry.unwrap().parse::<u32>().unwrap() >= 1);
+    // An interactive request arrives last but is admitted before the two queued ones.
+    let interactive = tokio::spawn(send(addr, "interactive", 5));
+    while !admission.queued().contains_key("interactive") {
+        tokio::task::yield_now().await;
+    }
+    // An impatient one gives up after 50 ms with a 503.
+    let (status, retry, waited) = send(addr, "impatient", 5).await;
+    assert_eq!(status, 503);
+    assert!(retry.is_some());
+    assert!(waited >= Duration::from_millis(50));
+
+    let (s, _, _) = holder.await.unwrap();
+    assert_eq!(s, 200);
+    let (si, _, ti) = interactive.await.unwrap();
+    let (s1, _, t1) = d1.await.unwrap();
+    let (s2, _, t2) = d2.await.unwrap();
+    assert_eq!((si, s1, s2), (200, 200, 200));
+    assert!(
+        ti < t1 && ti < t2,
+        "interactive {ti:?}, default {t1:?} {t2:?}"
+    );
+
+    // At rest: no permit held, nobody queued, the refusals counted by reason.
+    assert_eq!(admission.slots(), vec![(Some(1), 0)]);
+    assert!(admission.queued().is_empty());
+    let metrics = reqwest::get(format!("http://{}/metrics", p.admin_addr))
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    for line in [
+        "headroom_admission_refused_total{class=\"default\",pool=\"default\",reason=\"queue_full\"} 1",
+        "headroom_admission_refused_total{class=\"impatient\",pool=\"default\",reason=\"queue_timeout\"} 1",
+        "headroom_admission_in_flight{backend=",
+    ] {
+        assert!(metrics.contains(line), "{line}\n{metrics}");
+    }
+    assert_eq!(p.fleet.backends[0].load().in_flight, 0);
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}
