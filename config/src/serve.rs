@@ -296,6 +296,9 @@ pub struct AdmissionConfig {
     pub min_cap: u32,
     /// Highest cap.
     pub max_cap: u32,
+    /// Once the oldest waiter of a priority has waited this long, the newest of that priority is
+    /// served first (adaptive LIFO).
+    pub lifo_after_ms: u64,
 }
 
 impl Default for AdmissionConfig {
@@ -311,6 +314,7 @@ impl Default for AdmissionConfig {
             cooldown_scrapes: 2,
             min_cap: 1,
             max_cap: 4_096,
+            lifo_after_ms: 500,
         }
     }
 }

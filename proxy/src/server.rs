@@ -136,6 +136,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
                 min_cap: a.min_cap,
                 max_cap: a.max_cap,
             },
+            Duration::from_millis(a.lifo_after_ms),
         )
     });
     let http = reqwest::Client::builder()

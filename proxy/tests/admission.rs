@@ -142,3 +142,33 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_cap_starts_from_the_engines_kv_capacity() {
+    let args = SimArgs::from_flags(["--num-gpu-blocks", "1000", "--block-size", "16"]).unwrap();
+    let r = start_replica(
+        args.build_replica(0).unwrap(),
+        "127.0.0.1:0".parse().unwrap(),
+    )
+    .await
+    .unwrap();
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[r.url()], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.scrape.interval_ms = 50;
+    cfg.admission.context_tokens = 1000;
+    let p = headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap();
+    let admission = p.admission.clone().unwrap();
+    // ⌊0.9 · 16,000 KV tokens / 1,000⌋ = 14, once the first scrape has read cache_config_info.
+    // The scrape runs on its own timer; this polls for its effect (no event to wait on).
+    for _ in 0..400 {
+        if admission.slots()[0].0.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(admission.slots()[0].0, Some(14));
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}

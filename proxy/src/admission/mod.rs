@@ -8,7 +8,11 @@
 //!                  else queue full  → Refused(queue_full, 429)
 //!                  else wait, woken when a permit is released or a cap rises; at the deadline
 //!                       → Refused(queue_timeout, 503)
-//! Permit::drop:    the replica's count falls and the first waiter is woken
+//! Permit::drop:    the replica's count falls and the next waiter is woken: the first of the highest
+//!                  priority, or, once that one has waited longer than lifo_after, the newest of
+//!                  that priority (adaptive LIFO: under overload the requests with the most time
+//!                  left are served and the oldest time out, instead of every request waiting
+//!                  nearly its whole deadline)
 //! ```
 //!
 //! The counts are the proxy's own (dispatch decisions cannot wait for scraped metrics), and the
@@ -36,6 +40,12 @@ pub enum Refusal {
 type WaitKey = (std::cmp::Reverse<i32>, u64);
 
 #[derive(Debug)]
+struct Waiter {
+    tx: oneshot::Sender<()>,
+    since: tokio::time::Instant,
+}
+
+#[derive(Debug)]
 struct Slot {
     cap: CapController,
     in_flight: u32,
@@ -44,7 +54,8 @@ struct Slot {
 #[derive(Debug)]
 struct Inner {
     slots: Vec<Slot>,
-    waiters: BTreeMap<WaitKey, oneshot::Sender<()>>,
+    waiters: BTreeMap<WaitKey, Waiter>,
+    lifo_after: Duration,
     queued_by_class: BTreeMap<String, usize>,
     next_seq: u64,
     /// Completions per second, smoothed, for Retry-After.
@@ -82,11 +93,22 @@ impl Drop for Permit {
 
 fn wake_first(g: &mut Inner, n: usize) {
     for _ in 0..n {
-        let Some((_, tx)) = g.waiters.pop_first() else {
+        let Some((&head, first)) = g.waiters.first_key_value() else {
             return;
         };
-        // A waiter that timed out meanwhile passes the wake on (see `acquire`).
-        let _ = tx.send(());
+        let key = if first.since.elapsed() > g.lifo_after {
+            let priority = head.0;
+            g.waiters
+                .range((priority, 0)..=(priority, u64::MAX))
+                .next_back()
+                .map_or(head, |(k, _)| *k)
+        } else {
+            head
+        };
+        if let Some(w) = g.waiters.remove(&key) {
+            // A waiter that timed out meanwhile passes the wake on (see `acquire`).
+            let _ = w.tx.send(());
+        }
     }
 }
 
@@ -114,8 +136,14 @@ pub enum Pick {
 
 impl Admission {
     /// Admission over `n` replicas whose caps start at `initial` (None: unlimited until the engine
-    /// reports its capacity).
-    pub fn new(n: usize, initial: Option<u32>, params: CapParams) -> Arc<Self> {
+    /// reports its capacity); waiters are served newest first once the oldest has waited
+    /// `lifo_after`.
+    pub fn new(
+        n: usize,
+        initial: Option<u32>,
+        params: CapParams,
+        lifo_after: Duration,
+    ) -> Arc<Self> {
         Arc::new(Self {
             inner: Mutex::new(Inner {
                 slots: (0..n)
@@ -125,6 +153,7 @@ impl Admission {
                     })
                     .collect(),
                 waiters: BTreeMap::new(),
+                lifo_after,
                 queued_by_class: BTreeMap::new(),
                 next_seq: 0,
                 done_rate: 0.0,
@@ -147,14 +176,16 @@ impl Admission {
     ) -> Result<Permit, Result<Refusal, E>> {
         let deadline = tokio::time::Instant::now() + ask.timeout;
         let mut key: Option<WaitKey> = None;
+        let mut woken = false;
         loop {
             let rx = {
                 let mut g = self.lock();
-                let first_in_line = match (&key, g.waiters.first_key_value()) {
-                    (_, None) => true,
-                    (Some(k), Some((head, _))) => k <= head,
-                    (None, Some((head, _))) => head.0 > std::cmp::Reverse(ask.priority),
-                };
+                // A woken waiter was chosen by the releaser; a newcomer goes first only past
+                // everyone of its priority or lower.
+                let first_in_line = woken
+                    || g.waiters
+                        .first_key_value()
+                        .is_none_or(|(head, _)| head.0 > std::cmp::Reverse(ask.priority));
                 if first_in_line {
                     let room: Vec<bool> = g
                         .slots
@@ -196,11 +227,18 @@ impl Admission {
                     }
                 };
                 let (tx, rx) = oneshot::channel();
-                g.waiters.insert(k, tx);
+                g.waiters.insert(
+                    k,
+                    Waiter {
+                        tx,
+                        since: tokio::time::Instant::now(),
+                    },
+                );
                 rx
             };
-            let woken = tokio::time::timeout_at(deadline, rx).await;
-            if woken.is_err() {
+            let wake = tokio::time::timeout_at(deadline, rx).await;
+            woken = wake.is_ok();
+            if wake.is_err() {
                 let mut g = self.lock();
                 let still_waiting = key.is_some_and(|k| g.waiters.remove(&k).is_some());
                 if !still_waiting {
@@ -278,6 +316,15 @@ fn release_queue_entry(g: &mut Inner, class: &str) {
 mod tests {
     use super::*;
 
+    fn admission(n: usize, cap: u32) -> Arc<Admission> {
+        Admission::new(
+            n,
+            Some(cap),
+            CapParams::default(),
+            Duration::from_secs(3600),
+        )
+    }
+
     fn ask(class: &str, priority: i32) -> Ask<'_> {
         Ask {
             class,
@@ -297,7 +344,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn a_full_fleet_queues_by_priority_refuses_past_the_bound_and_releases_on_drop() {
-        let a = Admission::new(2, Some(1), CapParams::default());
+        let a = admission(2, 1);
         let p1 = a.acquire(&ask("batch", 0), first).await.unwrap();
         let p2 = a.acquire(&ask("batch", 0), first).await.unwrap();
         assert_eq!((p1.backend, p2.backend), (0, 1));
@@ -339,7 +386,7 @@ mod tests {
 
     #[tokio::test(start_paused = true)]
     async fn slots_come_back_to_zero_and_raised_caps_wake_waiters() {
-        let a = Admission::new(1, Some(1), CapParams::default());
+        let a = admission(1, 1);
         let p = a.acquire(&ask("c", 0), first).await.unwrap();
         let waiter = tokio::spawn({
             let a = a.clone();
@@ -359,5 +406,31 @@ mod tests {
         // No healthy replica is the picker's error, passed through.
         let err = a.acquire(&ask("c", 0), |_| Err::<Pick, &str>("none")).await;
         assert!(matches!(err, Err(Err("none"))));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn past_lifo_after_the_newest_waiter_goes_first() {
+        let a = Admission::new(1, Some(1), CapParams::default(), Duration::from_millis(100));
+        let held = a.acquire(&ask("c", 0), first).await.unwrap();
+        let wait = |n: u32| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let p = a.acquire(&ask("c", 0), first).await;
+                (n, p)
+            })
+        };
+        let older = wait(1);
+        tokio::task::yield_now().await;
+        tokio::time::sleep(Duration::from_millis(150)).await;
+        let newer = wait(2);
+        tokio::task::yield_now().await;
+        // The oldest has waited 150 ms > 100 ms: the release goes to the newest.
+        drop(held);
+        let (n, p) = newer.await.unwrap();
+        assert_eq!(n, 2);
+        drop(p.unwrap());
+        let (n, p) = older.await.unwrap();
+        assert_eq!(n, 1);
+        assert!(p.is_ok());
     }
 }
