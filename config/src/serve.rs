@@ -56,6 +56,30 @@ pub struct ServeConfig {
     /// Per-replica caps and the queue at the proxy.
     #[serde(default)]
     pub admission: AdmissionConfig,
+    /// Replica pools; absent, one pool `default` holds every backend.
+    #[serde(default)]
+    pub pools: Vec<PoolConfig>,
+}
+
+/// A set of replicas that serves its own classes.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct PoolConfig {
+    /// Name in metrics and in `classes.NAME.pool`.
+    pub name: String,
+    /// Backend names (`backends[].name`, else `host:port`).
+    pub backends: Vec<String>,
+    /// Pools whose idle capacity requests of this pool may use (they are the first refused there).
+    #[serde(default)]
+    pub borrow: Vec<String>,
+    /// A borrowed replica is used only while its admitted requests are below this fraction of its
+    /// cap, so the owner keeps a reserved floor.
+    #[serde(default = "default_borrow_below")]
+    pub borrow_below: f64,
+}
+
+fn default_borrow_below() -> f64 {
+    0.5
 }
 
 /// One replica.
@@ -261,6 +285,13 @@ pub struct ClassConfig {
     /// Longest wait at the proxy; past it, 503.
     #[serde(default = "default_queue_timeout_ms")]
     pub queue_timeout_ms: u64,
+    /// Pool the class is served by (absent: `default`, or the only pool).
+    #[serde(default)]
+    pub pool: Option<String>,
+    /// Requests without a class header whose prompt has at least this many tokens join this class
+    /// (the longest threshold that fits wins): very long prompts can take their own pool.
+    #[serde(default)]
+    pub min_prompt_tokens: Option<u32>,
 }
 
 fn default_max_queue() -> usize {
@@ -349,6 +380,8 @@ fn default_classes() -> BTreeMap<String, ClassConfig> {
             priority: 0,
             max_queue: default_max_queue(),
             queue_timeout_ms: default_queue_timeout_ms(),
+            pool: None,
+            min_prompt_tokens: None,
         },
     )])
 }
@@ -424,7 +457,41 @@ impl ServeConfig {
             classes: default_classes(),
             capture: CaptureConfig::default(),
             admission: AdmissionConfig::default(),
+            pools: Vec::new(),
         }
+    }
+
+    /// The pools: the configured ones, else one `default` pool of every backend.
+    pub fn pool_list(&self) -> Vec<PoolConfig> {
+        if self.pools.is_empty() {
+            vec![PoolConfig {
+                name: "default".into(),
+                backends: self
+                    .backends
+                    .iter()
+                    .map(BackendConfig::display_name)
+                    .collect(),
+                borrow: Vec::new(),
+                borrow_below: default_borrow_below(),
+            }]
+        } else {
+            self.pools.clone()
+        }
+    }
+
+    /// The pool a class is served by.
+    pub fn pool_of(&self, class: &str) -> String {
+        let pools = self.pool_list();
+        self.classes
+            .get(class)
+            .and_then(|c| c.pool.clone())
+            .unwrap_or_else(|| {
+                if pools.len() == 1 {
+                    pools[0].name.clone()
+                } else {
+                    "default".into()
+                }
+            })
     }
 
     /// Validates a config built in code (files are validated when loaded).
@@ -709,6 +776,71 @@ impl Validate for ServeConfig {
             a.min_cap,
             "must be at least 1 and at most max_cap",
         );
+        let backend_names: std::collections::HashSet<String> = self
+            .backends
+            .iter()
+            .map(BackendConfig::display_name)
+            .collect();
+        let pool_names: Vec<String> = self.pool_list().into_iter().map(|x| x.name).collect();
+        let mut seen_pools = std::collections::HashSet::new();
+        for (i, pool) in self.pools.iter().enumerate() {
+            let pp = field_path(p, &format!("pools[{i}]"));
+            check(
+                e,
+                seen_pools.insert(pool.name.clone()),
+                &pp,
+                "name",
+                &pool.name,
+                "pool names must be unique",
+            );
+            check(
+                e,
+                !pool.backends.is_empty(),
+                &pp,
+                "backends",
+                "[]",
+                "a pool needs at least one backend",
+            );
+            for b in &pool.backends {
+                check(
+                    e,
+                    backend_names.contains(b),
+                    &pp,
+                    "backends",
+                    b,
+                    "names no backend (use backends[].name, else host:port)",
+                );
+            }
+            for b in &pool.borrow {
+                check(
+                    e,
+                    pool_names.contains(b) && b != &pool.name,
+                    &pp,
+                    "borrow",
+                    b,
+                    "must name another pool",
+                );
+            }
+            check(
+                e,
+                pool.borrow_below > 0.0 && pool.borrow_below <= 1.0,
+                &pp,
+                "borrow_below",
+                pool.borrow_below,
+                "must be in (0, 1]",
+            );
+        }
+        for name in self.classes.keys() {
+            let pool = self.pool_of(name);
+            check(
+                e,
+                pool_names.contains(&pool),
+                &field_path(p, &format!("classes.{name}")),
+                "pool",
+                &pool,
+                &format!("must name a pool ({})", pool_names.join(", ")),
+            );
+        }
         let c = &self.capture;
         let cp = field_path(p, "capture");
         if let Some(path) = &c.path {
@@ -825,5 +957,40 @@ block_tokens = 0
         assert_eq!(errs.len(), 2, "{errs:?}");
         let ok = ServeConfig::quick("127.0.0.1:0", &["http://127.0.0.1:1".into()], "least_load");
         assert!(ok.validated().is_ok());
+    }
+
+    #[test]
+    fn pools_must_name_backends_and_classes_must_name_pools() {
+        let text = r#"
+[[backends]]
+url = "http://127.0.0.1:8001"
+name = "a"
+[[pools]]
+name = "interactive"
+backends = ["a", "zz"]
+borrow = ["interactive"]
+[classes.default]
+pool = "nowhere"
+"#;
+        let err = parse_toml::<ServeConfig>(text, Path::new("p.toml"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "pools[0].backends = zz: names no backend",
+            "pools[0].borrow = interactive: must name another pool",
+            "classes.default.pool = nowhere: must name a pool (interactive)",
+        ] {
+            assert!(err.contains(want), "{want}\n{err}");
+        }
+        let ok: ServeConfig = parse_toml(
+            "[[backends]]\nurl = \"http://127.0.0.1:8001\"\n",
+            Path::new("x"),
+        )
+        .unwrap();
+        assert_eq!(ok.pool_of("default"), "default");
+        assert_eq!(
+            ok.pool_list()[0].backends,
+            vec!["127.0.0.1:8001".to_owned()]
+        );
     }
 }

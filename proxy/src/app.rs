@@ -50,6 +50,49 @@ pub struct Headroom {
     pub capture: Option<Arc<Capture>>,
     /// Per-replica caps and the queue, when enabled.
     pub admission: Option<Arc<crate::admission::Admission>>,
+    /// The pools, with their members as backend masks.
+    pub pools: Vec<PoolPlan>,
+}
+
+/// A pool resolved against the fleet.
+#[derive(Debug, Clone)]
+pub struct PoolPlan {
+    /// Its name.
+    pub name: String,
+    /// `members[backend id]`: the backend belongs to the pool.
+    pub members: Vec<bool>,
+    /// Backends of the pools it may borrow from.
+    pub borrowable: Vec<bool>,
+    /// A borrowed backend is used below this fraction of its cap.
+    pub borrow_below: f64,
+}
+
+impl PoolPlan {
+    /// The pools of `cfg` over its backends, in config order.
+    pub fn all(cfg: &ServeConfig) -> Vec<Self> {
+        let names: Vec<String> = cfg.backends.iter().map(|b| b.display_name()).collect();
+        let pools = cfg.pool_list();
+        let mask = |members: &[String]| -> Vec<bool> {
+            names.iter().map(|n| members.contains(n)).collect()
+        };
+        pools
+            .iter()
+            .map(|p| {
+                let borrowed: Vec<String> = pools
+                    .iter()
+                    .filter(|o| p.borrow.contains(&o.name))
+                    .flat_map(|o| o.backends.iter().cloned())
+                    .filter(|b| !p.backends.contains(b))
+                    .collect();
+                Self {
+                    name: p.name.clone(),
+                    members: mask(&p.backends),
+                    borrowable: mask(&borrowed),
+                    borrow_below: p.borrow_below,
+                }
+            })
+            .collect()
+    }
 }
 
 impl std::fmt::Debug for Headroom {
@@ -121,6 +164,34 @@ fn route_of(path: &str) -> (Route, &'static str) {
 }
 
 impl Headroom {
+    /// The pool named `name` (the first pool when no pool has that name).
+    pub(crate) fn pool_plan(&self, name: &str) -> &PoolPlan {
+        self.pools
+            .iter()
+            .find(|p| p.name == name)
+            .unwrap_or(&self.pools[0])
+    }
+
+    /// The class of a request: its header's, when it names a class; else the class of the longest
+    /// prompt threshold it reaches; else the default class.
+    fn classify(&self, header: Option<String>, prompt_tokens: Option<u32>) -> String {
+        if let Some(c) = header.filter(|c| self.cfg.classes.contains_key(c)) {
+            return c;
+        }
+        if let Some(n) = prompt_tokens {
+            let by_length = self
+                .cfg
+                .classes
+                .iter()
+                .filter_map(|(name, c)| c.min_prompt_tokens.filter(|&t| n >= t).map(|t| (t, name)))
+                .max();
+            if let Some((_, name)) = by_length {
+                return name.clone();
+            }
+        }
+        self.cfg.measure.default_class.clone()
+    }
+
     async fn handle(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
         let path = session.req_header().uri.path().to_owned();
         let method = session.req_header().method.clone();
@@ -181,11 +252,11 @@ impl Headroom {
                 .map(str::to_owned)
         };
         let session_key = header(self.cfg.routing.session_header.as_str());
-        if let Some(class) = header(self.cfg.measure.class_header.as_str())
-            .filter(|c| self.cfg.classes.contains_key(c))
-        {
-            ctx.class = class;
-        }
+        ctx.class = self.classify(
+            header(self.cfg.measure.class_header.as_str()),
+            inspected.as_ref().map(|i| i.prompt_tokens),
+        );
+        ctx.pool = self.cfg.pool_of(&ctx.class);
         // A prompt longer than routing hashes is hashed whole for the capture, off the request path.
         let long_body = inspected
             .as_ref()
@@ -399,7 +470,7 @@ impl ProxyHttp for Headroom {
             response_started: false,
             request_id: String::new(),
             arrival: SystemTime::now(),
-            pool: "default".into(),
+            pool: self.pools[0].name.clone(),
             class: self.cfg.measure.default_class.clone(),
             dispatched: None,
             sent: None,

@@ -15,7 +15,7 @@ use pingora::protocols::http::client::HttpSession as UpstreamSession;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
-use crate::admission::{Ask, Pick as AdmissionPick, Refusal};
+use crate::admission::{Ask, Pick as AdmissionPick, Refusal, Room};
 use crate::app::{Headroom, RequestCtx};
 use crate::error::{ErrorKind, ProxyError};
 use crate::routing::{RouteRequest, RoutingPolicy};
@@ -159,26 +159,40 @@ impl Headroom {
                     };
                     let mut chosen = None;
                     let acquired = {
-                        let pick = |room: &[bool]| {
+                        let plan = self.pool_plan(&ctx.pool);
+                        let pick = |room: &[Room]| {
                             let route_start = Instant::now();
-                            let mut views = self.candidates(out.model, &tried);
-                            if !views.iter().any(|v| v.healthy) {
-                                return Err("no healthy replica".to_owned());
+                            let own = self.candidates(out.model, &tried, &plan.members);
+                            let borrowed = self.candidates(out.model, &tried, &plan.borrowable);
+                            if !own.iter().chain(&borrowed).any(|v| v.healthy) {
+                                return Err(format!("no healthy replica in pool {}", plan.name));
                             }
-                            for v in &mut views {
-                                v.healthy &= room[v.id];
+                            // Own replicas with room first, then borrowed ones below their floor.
+                            let mut picked = None;
+                            for (mut views, borrowing) in [(own, false), (borrowed, true)] {
+                                for v in &mut views {
+                                    let r = room[v.id];
+                                    v.healthy &= if borrowing {
+                                        r.below(plan.borrow_below)
+                                    } else {
+                                        r.free
+                                    };
+                                }
+                                if let Ok(p) = policy.select(&out.route, &views) {
+                                    picked = Some(p);
+                                    break;
+                                }
                             }
-                            let picked = policy.select(&out.route, &views);
                             self.metrics
                                 .route_seconds
                                 .observe(route_start.elapsed().as_secs_f64());
                             Ok(match picked {
-                                Ok(p) => {
+                                Some(p) => {
                                     let b = p.backend;
                                     chosen = Some(p);
                                     AdmissionPick::Backend(b)
                                 }
-                                Err(_) => AdmissionPick::NoRoom,
+                                None => AdmissionPick::NoRoom,
                             })
                         };
                         tokio::select! {
@@ -226,7 +240,11 @@ impl Headroom {
                 }
                 _ => {
                     let route_start = Instant::now();
-                    let views = self.candidates(out.model, &tried);
+                    let plan = self.pool_plan(&ctx.pool);
+                    let mut views = self.candidates(out.model, &tried, &plan.members);
+                    if !views.iter().any(|v| v.healthy) {
+                        views = self.candidates(out.model, &tried, &plan.borrowable);
+                    }
                     let pick = match policy.select(&out.route, &views) {
                         Ok(p) => p,
                         Err(e) => return Err(last_err.unwrap_or_else(|| no_backend(e.to_string()))),
@@ -308,8 +326,16 @@ impl Headroom {
 
     /// The replicas a request may go to: healthy, not ejected, not tried already, and serving its
     /// model (unless none does: then an engine answers with its own error).
-    fn candidates(&self, model: Option<&str>, tried: &[usize]) -> Vec<crate::routing::BackendView> {
+    fn candidates(
+        &self,
+        model: Option<&str>,
+        tried: &[usize],
+        members: &[bool],
+    ) -> Vec<crate::routing::BackendView> {
         let mut views = self.fleet.views();
+        for v in &mut views {
+            v.healthy &= members.get(v.id).copied().unwrap_or(false);
+        }
         if let Some(model) = model {
             let serves: Vec<bool> = self
                 .fleet

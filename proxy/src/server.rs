@@ -159,6 +159,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         stats: stats.clone(),
         capture: capture.clone(),
         admission: admission.clone(),
+        pools: crate::app::PoolPlan::all(&cfg),
     };
 
     let bind = |addr: String| async move {

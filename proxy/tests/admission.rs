@@ -34,6 +34,8 @@ fn class(priority: i32, max_queue: usize, queue_timeout_ms: u64) -> ClassConfig 
         priority,
         max_queue,
         queue_timeout_ms,
+        pool: None,
+        min_prompt_tokens: None,
     }
 }
 
@@ -171,4 +173,100 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     assert_eq!(admission.slots()[0].0, Some(14));
     p.shutdown().await;
     r.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive_room() {
+    use headroom_config::serve::PoolConfig;
+    let (a, b) = (sim().await, sim().await);
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[a.url(), b.url()], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.scrape.interval_ms = 0;
+    cfg.admission.max_in_flight = Some(1);
+    cfg.backends[0].name = Some("a".into());
+    cfg.backends[1].name = Some("b".into());
+    cfg.pools = vec![
+        PoolConfig {
+            name: "interactive".into(),
+            backends: vec!["a".into()],
+            borrow: vec![],
+            borrow_below: 0.5,
+        },
+        PoolConfig {
+            name: "batch".into(),
+            backends: vec!["b".into()],
+            borrow: vec!["interactive".into()],
+            borrow_below: 1.0,
+        },
+    ];
+    let mut interactive = class(10, 8, 30_000);
+    interactive.pool = Some("interactive".into());
+    let mut batch = class(0, 8, 30_000);
+    batch.pool = Some("batch".into());
+    let mut long = class(0, 8, 30_000);
+    long.pool = Some("batch".into());
+    long.min_prompt_tokens = Some(200);
+    cfg.classes = BTreeMap::from([
+        ("default".to_owned(), interactive.clone()),
+        ("interactive".to_owned(), interactive),
+        ("batch".to_owned(), batch),
+        ("long".to_owned(), long),
+    ]);
+    cfg.measure.default_class = "default".into();
+    let p = headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap();
+    let c = reqwest::Client::new();
+    let ask = |class: Option<&'static str>, words: usize, tokens: u32| {
+        let c = c.clone();
+        let addr = p.addr;
+        async move {
+            let mut req = c
+                .post(format!("http://{addr}/v1/chat/completions"))
+                .json(&json!({
+                "messages": [{"role": "user", "content": " w".repeat(words)}],
+                "max_tokens": tokens, "ignore_eos": true}));
+            if let Some(class) = class {
+                req = req.header("x-headroom-class", class);
+            }
+            let resp = req.send().await.unwrap();
+            let backend = resp.headers()["x-headroom-backend"]
+                .to_str()
+                .unwrap()
+                .to_owned();
+            resp.bytes().await.unwrap();
+            backend
+        }
+    };
+    // One at a time: each class on its own pool; a long prompt without a header is batch work.
+    assert_eq!(ask(Some("interactive"), 5, 2).await, "a");
+    assert_eq!(ask(Some("batch"), 5, 2).await, "b");
+    assert_eq!(ask(None, 5, 2).await, "a");
+    assert_eq!(ask(None, 300, 2).await, "b");
+    // Two batch requests at once: the second borrows the idle interactive replica.
+    let admission = p.admission.clone().unwrap();
+    let (x, y) = tokio::join!(ask(Some("batch"), 5, 40), async {
+        // Once the first holds b's only slot.
+        while admission.slots()[1].1 == 0 {
+            tokio::task::yield_now().await;
+        }
+        ask(Some("batch"), 5, 2).await
+    });
+    assert_eq!((x.as_str(), y.as_str()), ("b", "a"));
+    let stats: serde_json::Value = reqwest::get(format!("http://{}/stats", p.admin_addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pools: std::collections::BTreeSet<String> = stats["windows"]["5m"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["pool"].as_str().unwrap().to_owned())
+        .collect();
+    assert_eq!(pools, ["batch", "interactive"].map(str::to_owned).into());
+    p.shutdown().await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
 }

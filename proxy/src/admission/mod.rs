@@ -125,6 +125,27 @@ pub struct Ask<'a> {
     pub timeout: Duration,
 }
 
+/// One replica's admission state, as a pick sees it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Room {
+    /// Below its cap.
+    pub free: bool,
+    /// Permits held.
+    pub in_flight: u32,
+    /// Its cap (None: unlimited).
+    pub cap: Option<u32>,
+}
+
+impl Room {
+    /// Whether it is below `fraction` of its cap (a borrower's limit).
+    pub fn below(&self, fraction: f64) -> bool {
+        self.free
+            && self
+                .cap
+                .is_none_or(|c| f64::from(self.in_flight) < fraction * f64::from(c))
+    }
+}
+
 /// The outcome of a pick under the admission lock.
 #[derive(Debug)]
 pub enum Pick {
@@ -172,7 +193,7 @@ impl Admission {
     pub async fn acquire<E>(
         self: &Arc<Self>,
         ask: &Ask<'_>,
-        mut pick: impl FnMut(&[bool]) -> Result<Pick, E>,
+        mut pick: impl FnMut(&[Room]) -> Result<Pick, E>,
     ) -> Result<Permit, Result<Refusal, E>> {
         let deadline = tokio::time::Instant::now() + ask.timeout;
         let mut key: Option<WaitKey> = None;
@@ -187,10 +208,14 @@ impl Admission {
                         .first_key_value()
                         .is_none_or(|(head, _)| head.0 > std::cmp::Reverse(ask.priority));
                 if first_in_line {
-                    let room: Vec<bool> = g
+                    let room: Vec<Room> = g
                         .slots
                         .iter_mut()
-                        .map(|s| s.cap.has_room(s.in_flight))
+                        .map(|s| Room {
+                            free: s.cap.has_room(s.in_flight),
+                            in_flight: s.in_flight,
+                            cap: s.cap.cap(),
+                        })
                         .collect();
                     match pick(&room) {
                         Err(e) => return Err(Err(e)),
