@@ -360,10 +360,10 @@ mod tests {
     }
 
     /// Picks the first replica with room.
-    fn first(room: &[bool]) -> Result<Pick, ()> {
+    fn first(room: &[Room]) -> Result<Pick, ()> {
         Ok(room
             .iter()
-            .position(|&r| r)
+            .position(|r| r.free)
             .map_or(Pick::NoRoom, Pick::Backend))
     }
 
