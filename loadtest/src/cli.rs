@@ -311,6 +311,10 @@ pub struct ReplayArgs {
     /// Free-text label of the hardware under test, recorded in the contract.
     #[arg(long, default_value = "unspecified")]
     pub hardware: String,
+    /// An extra request header, `Name: value` (repeatable), e.g. `x-headroom-class: batch`. The
+    /// contract records the names only (values may be keys).
+    #[arg(long = "header", value_name = "NAME: VALUE", value_parser = parse_header)]
+    pub headers: Vec<(String, String)>,
     /// Sweep the load instead of one run: `concurrency:1,2,4,8` or `rate:1,2,4`, one run of
     /// --sweep-duration seconds per level, each with fresh prompt text (no cache reuse between
     /// levels). Finds the knee and the largest level within the SLO.
@@ -322,6 +326,21 @@ pub struct ReplayArgs {
     /// Directory for result.json, requests.csv, summary.txt and report.html (sweeps: sweep.*).
     #[arg(long, default_value = "results/replay")]
     pub out: PathBuf,
+}
+
+fn parse_header(s: &str) -> Result<(String, String), String> {
+    let (k, v) = s
+        .split_once(':')
+        .ok_or_else(|| format!("`{s}`: write a header as `Name: value`"))?;
+    let k = k.trim();
+    if k.is_empty()
+        || !k
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'-' || b == b'_')
+    {
+        return Err(format!("`{k}` is not a header name"));
+    }
+    Ok((k.to_ascii_lowercase(), v.trim().to_owned()))
 }
 
 #[derive(Debug, clap::Parser)]
@@ -489,6 +508,7 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         rows: Some(rows.clone()),
         timeout: Duration::from_secs_f64(a.timeout),
         run_id: run_id.clone(),
+        headers: a.headers.clone(),
     };
     let lengths = |f: fn(&TraceRecord) -> u32| length_stats(records.iter().map(f));
     let contract = json!({
@@ -519,6 +539,7 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         },
         "model": model,
         "hardware": a.hardware,
+        "extra_headers": a.headers.iter().map(|(k, _)| k.as_str()).collect::<Vec<_>>(),
         "tool": {"name": "headroom", "version": env!("CARGO_PKG_VERSION")},
         "run_id": run_id,
     });
@@ -1103,6 +1124,29 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn extra_headers_parse_and_bad_ones_are_named() {
+        let a = ReplayArgs::from_flags([
+            "--trace",
+            "t.jsonl",
+            "--target",
+            "http://x",
+            "--header",
+            "X-Headroom-Class: batch",
+        ])
+        .unwrap();
+        assert_eq!(
+            a.headers,
+            vec![("x-headroom-class".to_owned(), "batch".to_owned())]
+        );
+        let err = ReplayArgs::from_flags([
+            "--trace", "t", "--target", "http://x", "--header", "nocolon",
+        ])
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("write a header as `Name: value`"), "{err}");
+    }
 
     fn summary(out_tps: f64, ttft_p99: f64) -> Summary {
         let mut s = report::summarize(&[], None);

@@ -74,6 +74,8 @@ pub struct ReplayOptions {
     pub timeout: Duration,
     /// Prefix of every `x-request-id`.
     pub run_id: String,
+    /// Extra headers sent with every request (e.g. the proxy's class header).
+    pub headers: Vec<(String, String)>,
 }
 
 /// One request's outcome with its place in the plan.
@@ -106,6 +108,13 @@ pub struct Counters {
     pub done: AtomicUsize,
     /// Failed so far.
     pub failed: AtomicUsize,
+}
+
+/// `x-request-id` and the configured extra headers.
+fn request_headers<'a>(opts: &'a ReplayOptions, request_id: &'a str) -> Vec<(&'a str, &'a str)> {
+    let mut h = vec![("x-request-id", request_id)];
+    h.extend(opts.headers.iter().map(|(k, v)| (k.as_str(), v.as_str())));
+    h
 }
 
 /// The request body for a record.
@@ -216,7 +225,12 @@ async fn send_one(
     shared.counters.sent.fetch_add(1, Ordering::Relaxed);
     let timing = match tokio::time::timeout(
         shared.opts.timeout,
-        send_streaming_with(&shared.client, url, body, &[("x-request-id", &request_id)]),
+        send_streaming_with(
+            &shared.client,
+            url,
+            body,
+            &request_headers(&shared.opts, &request_id),
+        ),
     )
     .await
     {
@@ -482,6 +496,7 @@ mod tests {
             rows: None,
             timeout: Duration::from_secs(1),
             run_id: "r".into(),
+            headers: Vec::new(),
         };
         let b = body_for(&r, &opts);
         assert_eq!(b["max_completion_tokens"], 7);

@@ -72,6 +72,7 @@ fn options(target: String, seed: u64, time_scale: f64) -> ReplayOptions {
         rows: None,
         timeout: Duration::from_secs(60),
         run_id: format!("m{seed}"),
+        headers: Vec::new(),
     }
 }
 
