@@ -315,8 +315,10 @@ pub struct AdmissionConfig {
     pub context_tokens: u32,
     /// Fraction of the KV cache the derived cap plans to fill.
     pub headroom: f64,
-    /// Multiplicative cut under pressure.
+    /// Multiplicative cut when the engine preempted.
     pub beta: f64,
+    /// Multiplicative cut on an early warning (KV usage ≥ kv_high, engine queue growing).
+    pub soft_beta: f64,
     /// Additive raise per quiet scrape while the cap holds work back.
     pub alpha: u32,
     /// KV cache usage that counts as pressure.
@@ -340,6 +342,7 @@ impl Default for AdmissionConfig {
             context_tokens: 2_300,
             headroom: 0.9,
             beta: 0.8,
+            soft_beta: 0.95,
             alpha: 2,
             kv_high: 0.95,
             cooldown_scrapes: 2,
@@ -758,6 +761,14 @@ impl Validate for ServeConfig {
             &ap,
             "beta",
             a.beta,
+            "must be in (0, 1)",
+        );
+        check(
+            e,
+            a.soft_beta > 0.0 && a.soft_beta < 1.0,
+            &ap,
+            "soft_beta",
+            a.soft_beta,
             "must be in (0, 1)",
         );
         check(

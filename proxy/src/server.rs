@@ -130,6 +130,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
             a.max_in_flight,
             CapParams {
                 beta: a.beta,
+                soft_beta: a.soft_beta,
                 alpha: a.alpha,
                 kv_high: a.kv_high,
                 cooldown: a.cooldown_scrapes,

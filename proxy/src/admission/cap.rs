@@ -6,15 +6,18 @@
 //! cap_0 = configured max_in_flight, else ⌊headroom · KV_tokens / context⌋ once the engine reports
 //!         its KV capacity (vllm:cache_config_info), else unlimited until then
 //! per scrape:
-//!   pressure = preemptions rose ∨ KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
-//!   pressure ∧ no cut in the last `cooldown` scrapes  → cap ← max(min_cap, ⌊β·cap⌋)
+//!   preempting = preemptions rose
+//!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
+//!   preempting, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β·cap⌋)
+//!   warning only, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β_soft·cap⌋)
 //!   ¬pressure ∧ the cap turned work away since the last scrape
 //!                                                     → cap ← min(max_cap, cap + α)
 //! ```
 //!
 //! | parameter | meaning | default |
 //! |---|---|---|
-//! | β | multiplicative cut | 0.8 |
+//! | β | cut when the engine preempted | 0.8 |
+//! | β_soft | cut on an early warning (KV nearly full, engine queue growing) | 0.95 |
 //! | α | additive raise per quiet scrape | 2 |
 //! | kv_high | KV cache usage that counts as pressure | 0.95 |
 //! | cooldown | scrapes after a cut before the next cut | 2 |
@@ -23,8 +26,10 @@
 /// How the cap moves.
 #[derive(Debug, Clone, Copy, PartialEq)]
 pub struct CapParams {
-    /// Multiplicative cut.
+    /// Multiplicative cut when the engine preempted.
     pub beta: f64,
+    /// Multiplicative cut on an early warning only.
+    pub soft_beta: f64,
     /// Additive raise.
     pub alpha: u32,
     /// KV usage that counts as pressure.
@@ -41,6 +46,7 @@ impl Default for CapParams {
     fn default() -> Self {
         Self {
             beta: 0.8,
+            soft_beta: 0.95,
             alpha: 2,
             kv_high: 0.95,
             cooldown: 2,
@@ -139,7 +145,8 @@ impl CapController {
             if self.since_cut <= p.cooldown {
                 return Change::Held;
             }
-            let cut = ((f64::from(cap) * p.beta).floor() as u32).max(p.min_cap);
+            let beta = if preempted { p.beta } else { p.soft_beta };
+            let cut = ((f64::from(cap) * beta).floor() as u32).max(p.min_cap);
             self.since_cut = 0;
             if cut < cap {
                 self.cap = Some(cut);
@@ -191,6 +198,8 @@ mod tests {
             ..quiet(0.0)
         };
         assert_eq!(c.on_feedback(full), Change::Cut);
+        // An early warning cuts gently; only preemption cuts hard.
+        assert_eq!(c.cap(), Some(47));
         let mut c = CapController::new(Some(50), CapParams::default());
         for (w, want) in [(0.0, Change::Held), (3.0, Change::Cut), (5.0, Change::Held)] {
             let f = Feedback {
