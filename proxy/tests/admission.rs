@@ -7,25 +7,13 @@ use std::time::{Duration, Instant};
 
 use headroom_config::serve::{ClassConfig, ServeConfig, SloConfig};
 use headroom_proxy::ServeHandle;
-use headroom_sim::{RunningReplica, SimArgs, start_replica};
+use headroom_sim::RunningReplica;
+
+mod common;
 use serde_json::json;
 
 async fn sim() -> RunningReplica {
-    let args = SimArgs::from_flags([
-        "--latency-model",
-        "constant",
-        "--time-to-first-token",
-        "5",
-        "--inter-token-latency",
-        "5",
-    ])
-    .unwrap();
-    start_replica(
-        args.build_replica(0).unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap()
+    common::sim(5, 5, &[]).await
 }
 
 fn class(priority: i32, max_queue: usize, queue_timeout_ms: u64) -> ClassConfig {
@@ -147,13 +135,19 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_cap_starts_from_the_engines_kv_capacity() {
-    let args = SimArgs::from_flags(["--num-gpu-blocks", "1000", "--block-size", "16"]).unwrap();
-    let r = start_replica(
-        args.build_replica(0).unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
+    let r = common::sim(
+        5,
+        5,
+        &[
+            "--num-gpu-blocks",
+            "1000",
+            "--block-size",
+            "16",
+            "--max-model-len",
+            "4096",
+        ],
     )
-    .await
-    .unwrap();
+    .await;
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &[r.url()], "least_load");
     cfg.admin_listen = "127.0.0.1:0".into();
     cfg.scrape.interval_ms = 50;

@@ -5,35 +5,17 @@
 use std::sync::Arc;
 use std::time::Duration;
 
+use common::sim;
 use headroom_config::serve::ServeConfig;
 use headroom_loadtest::replay::{Arrivals, Counters, ReplayOptions, run};
 use headroom_loadtest::synth::Endpoint;
 use headroom_proxy::ServeHandle;
-use headroom_sim::{RunningReplica, SimArgs, start_replica};
+
+mod common;
 use headroom_workload::trace::{TraceRecord, offline_prefix_hit_rate, read_jsonl};
 use serde_json::{Value, json};
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
-
-async fn sim(ttft_ms: &str, itl_ms: &str) -> RunningReplica {
-    let args = SimArgs::from_flags([
-        "--latency-model",
-        "constant",
-        "--time-to-first-token",
-        ttft_ms,
-        "--inter-token-latency",
-        itl_ms,
-        "--max-model-len",
-        "200000",
-    ])
-    .unwrap();
-    start_replica(
-        args.build_replica(0).unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap()
-}
 
 fn temp_dir(name: &str) -> std::path::PathBuf {
     let d = std::env::temp_dir().join(format!("headroom-{name}-{}", std::process::id()));
@@ -117,7 +99,7 @@ fn scrub(text: &str) -> String {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn clients_receive_the_bytes_they_would_without_headroom() {
-    let r = sim("2", "1").await;
+    let r = sim(2, 1, &[]).await;
     let p = proxy(&[r.url()], None).await;
     let c = reqwest::Client::new();
     let chat = |extra: Value| {
@@ -186,7 +168,7 @@ async fn clients_receive_the_bytes_they_would_without_headroom() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_and_the_client_agree_on_every_request() {
-    let r = sim("20", "8").await;
+    let r = sim(20, 8, &[]).await;
     let dir = temp_dir("agree");
     let path = dir.join("trace.jsonl");
     let p = proxy(&[r.url()], Some(&path)).await;
@@ -269,7 +251,7 @@ async fn the_proxy_and_the_client_agree_on_every_request() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
-    let r = sim("1", "1").await;
+    let r = sim(1, 1, &[]).await;
     let dir = temp_dir("roundtrip");
     let first = dir.join("first.jsonl");
     // Conversations whose context grows, sharing system prompts: real prefix structure.
@@ -346,7 +328,7 @@ async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_text_never_reaches_a_capture() {
     const CANARY: &str = "zqxcanary7731";
-    let r = sim("1", "1").await;
+    let r = sim(1, 1, &[]).await;
     let dir = temp_dir("privacy");
     let path = dir.join("t.jsonl");
     let p = proxy(&[r.url()], Some(&path)).await;

@@ -7,31 +7,16 @@ use std::time::Duration;
 use futures_util::StreamExt;
 use headroom_config::serve::ServeConfig;
 use headroom_proxy::ServeHandle;
-use headroom_sim::{RunningReplica, SimArgs, start_replica};
+use headroom_sim::RunningReplica;
+
+mod common;
 use headroom_workload::engine_metrics::EngineGauges;
 use serde_json::{Value, json};
 
 const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
 async fn sim(extra: &[&str]) -> RunningReplica {
-    let mut flags = vec![
-        "--latency-model",
-        "constant",
-        "--time-to-first-token",
-        "2",
-        "--inter-token-latency",
-        "1",
-        "--max-model-len",
-        "200000",
-    ];
-    flags.extend_from_slice(extra);
-    let args = SimArgs::from_flags(flags).unwrap();
-    start_replica(
-        args.build_replica(0).unwrap(),
-        "127.0.0.1:0".parse().unwrap(),
-    )
-    .await
-    .unwrap()
+    common::sim(2, 1, extra).await
 }
 
 async fn proxy(urls: &[String], policy: &str, tweak: impl FnOnce(&mut ServeConfig)) -> ServeHandle {
