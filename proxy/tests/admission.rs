@@ -115,12 +115,7 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     // At rest: no permit held, nobody queued, the refusals counted by reason.
     assert_eq!(admission.slots(), vec![(Some(1), 0)]);
     assert!(admission.queued().is_empty());
-    let metrics = reqwest::get(format!("http://{}/metrics", p.admin_addr))
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
     for line in [
         "headroom_admission_refused_total{class=\"default\",pool=\"default\",reason=\"queue_full\"} 1",
         "headroom_admission_refused_total{class=\"impatient\",pool=\"default\",reason=\"queue_timeout\"} 1",

@@ -148,14 +148,7 @@ async fn clients_receive_the_bytes_they_would_without_headroom() {
     }
     // The proxy counted exact tokens even where the client did not ask for usage: 12 per chat
     // case, 9 per completion.
-    let metrics = c
-        .get(format!("http://{}/metrics", p.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
     let total: f64 = metrics
         .lines()
         .filter(|l| l.starts_with("headroom_completion_tokens_total{"))

@@ -49,15 +49,7 @@ fn words(n: usize, salt: &str) -> String {
 }
 
 async fn engine(url: &str) -> EngineGauges {
-    let text = client()
-        .get(format!("{url}/metrics"))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
-    EngineGauges::parse(&text)
+    EngineGauges::parse(&common::get_text(&format!("{url}/metrics")).await)
 }
 
 /// Polls `cond` every 20 ms for up to 10 s; the state it waits for is reached asynchronously by
@@ -113,14 +105,7 @@ async fn streams_relay_every_event_and_measure() {
     assert!(t.ok(), "{:?}", t.failure);
     assert!(t.ttft.is_some());
 
-    let metrics = client()
-        .get(format!("http://{}/metrics", p.admin_addr))
-        .send()
-        .await
-        .unwrap()
-        .text()
-        .await
-        .unwrap();
+    let metrics = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
     assert!(
         metrics.contains("headroom_request_ttft_seconds_count{backend="),
         "{metrics}"

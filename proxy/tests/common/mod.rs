@@ -25,3 +25,13 @@ pub async fn sim(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> RunningReplica {
     .await
     .expect("the replica starts")
 }
+
+/// The body of `GET url`, as text.
+pub async fn get_text(url: &str) -> String {
+    reqwest::get(url)
+        .await
+        .expect("the GET is answered")
+        .text()
+        .await
+        .expect("a text body")
+}
