@@ -30,9 +30,7 @@ bin=target/release/headroom
 
 source scripts/bench-common.sh
 
-$bin sim --replicas "$REPLICAS" --port 0 --profile llama-3.1-8b --gpu h100 >"$OUT/sims.url" 2>"$OUT/sims.log" &
-pids+=($!)
-for _ in $(seq 200); do [ "$(grep -c http "$OUT/sims.url" 2>/dev/null)" = "$REPLICAS" ] && break; sleep 0.05; done
+start_sims "$REPLICAS" "$OUT/sims.url" --profile llama-3.1-8b --gpu h100
 
 preemptions() {
   local total=0 u n

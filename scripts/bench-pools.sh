@@ -31,9 +31,7 @@ source scripts/bench-common.sh
 $bin trace synth --contract chat --requests "$INTERACTIVE_REQUESTS" --rate "$INTERACTIVE_RATE" --seed 11 -o "$OUT/interactive.jsonl" 2>/dev/null
 $bin trace synth --contract rag --requests "$BATCH_REQUESTS" --rate "$BATCH_RATE" --seed 12 -o "$OUT/batch.jsonl" 2>/dev/null
 
-$bin sim --replicas "$REPLICAS" --port 0 --profile llama-3.1-8b --gpu h100 >"$OUT/sims.url" 2>"$OUT/sims.log" &
-pids+=($!)
-for _ in $(seq 200); do [ "$(grep -c http "$OUT/sims.url" 2>/dev/null)" = "$REPLICAS" ] && break; sleep 0.05; done
+start_sims "$REPLICAS" "$OUT/sims.url" --profile llama-3.1-8b --gpu h100
 mapfile -t urls <"$OUT/sims.url"
 
 config() {

@@ -30,9 +30,7 @@ sed -n "$((START + 1)),$((START + ROWS))p" "$TRACE" >"$slice"
 
 source scripts/bench-common.sh
 
-$bin sim --replicas 4 --port 0 --profile llama-3.1-8b --gpu h100 >"$OUT/sims.url" 2>"$OUT/sims.log" &
-pids+=($!)
-for _ in $(seq 200); do [ "$(grep -c http "$OUT/sims.url" 2>/dev/null)" = 4 ] && break; sleep 0.05; done
+start_sims 4 "$OUT/sims.url" --profile llama-3.1-8b --gpu h100
 urls=$(paste -sd, "$OUT/sims.url")
 
 for policy in $POLICIES; do
