@@ -72,6 +72,21 @@ impl ServeArgs {
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let (policy, n) = (cfg.routing.policy.clone(), cfg.backends.len());
+    let a = &cfg.admission;
+    let admission = match (a.enabled, a.max_in_flight) {
+        (false, _) => "admission off".to_owned(),
+        (true, Some(cap)) => format!("admission on (caps start at {cap})"),
+        (true, None) => format!(
+            "admission on (caps from each engine's KV capacity at {} tokens per sequence)",
+            a.context_tokens
+        ),
+    };
+    let capture = cfg
+        .capture
+        .path
+        .as_ref()
+        .map_or_else(|| "capture off".to_owned(), |p| format!("capture to {p}"));
+    let pools = cfg.pool_list().len();
     let handle = headroom_proxy::start(cfg)
         .await
         .context("starting the proxy")?;
@@ -80,6 +95,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         "headroom serve: listening on {} (admin http://{}), {n} backend(s), policy {policy} — Ctrl-C to stop",
         handle.addr, handle.admin_addr
     );
+    eprintln!("headroom serve: {pools} pool(s), {admission}, {capture}");
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
     tokio::select! {
         r = tokio::signal::ctrl_c() => r?,
