@@ -292,6 +292,13 @@ pub struct ClassConfig {
     /// (the longest threshold that fits wins): very long prompts can take their own pool.
     #[serde(default)]
     pub min_prompt_tokens: Option<u32>,
+    /// Requests without a class header for one of these models join this class.
+    #[serde(default)]
+    pub models: Vec<String>,
+    /// Requests without a class header on one of these paths (`/v1/completions`,
+    /// `/v1/chat/completions`) join this class.
+    #[serde(default)]
+    pub paths: Vec<String>,
 }
 
 fn default_max_queue() -> usize {
@@ -385,6 +392,8 @@ fn default_classes() -> BTreeMap<String, ClassConfig> {
             queue_timeout_ms: default_queue_timeout_ms(),
             pool: None,
             min_prompt_tokens: None,
+            models: Vec::new(),
+            paths: Vec::new(),
         },
     )])
 }

@@ -172,16 +172,36 @@ impl Headroom {
             .unwrap_or(&self.pools[0])
     }
 
-    /// The class of a request: its header's, when it names a class; else the class of the longest
-    /// prompt threshold it reaches; else the default class.
-    fn classify(&self, header: Option<String>, prompt_tokens: Option<u32>) -> String {
-        if let Some(c) = header.filter(|c| self.cfg.classes.contains_key(c)) {
+    /// The class of a request: its header's, when it names a class; else the first class (by
+    /// name) listing its model, then its path; else the class of the longest prompt threshold it
+    /// reaches; else the default class.
+    fn classify(
+        &self,
+        header: Option<String>,
+        model: Option<&str>,
+        path: &str,
+        prompt_tokens: Option<u32>,
+    ) -> String {
+        let classes = &self.cfg.classes;
+        if let Some(c) = header.filter(|c| classes.contains_key(c)) {
             return c;
         }
+        if let Some(m) = model {
+            if let Some((name, _)) = classes
+                .iter()
+                .find(|(_, c)| c.models.iter().any(|x| x == m))
+            {
+                return name.clone();
+            }
+        }
+        if let Some((name, _)) = classes
+            .iter()
+            .find(|(_, c)| c.paths.iter().any(|p| p == path))
+        {
+            return name.clone();
+        }
         if let Some(n) = prompt_tokens {
-            let by_length = self
-                .cfg
-                .classes
+            let by_length = classes
                 .iter()
                 .filter_map(|(name, c)| c.min_prompt_tokens.filter(|&t| n >= t).map(|t| (t, name)))
                 .max();
@@ -252,8 +272,11 @@ impl Headroom {
                 .map(str::to_owned)
         };
         let session_key = header(self.cfg.routing.session_header.as_str());
+        let path = session.req_header().uri.path().to_owned();
         ctx.class = self.classify(
             header(self.cfg.measure.class_header.as_str()),
+            inspected.as_ref().and_then(|i| i.model.as_deref()),
+            &path,
             inspected.as_ref().map(|i| i.prompt_tokens),
         );
         ctx.pool = self.cfg.pool_of(&ctx.class);

@@ -24,6 +24,8 @@ fn class(priority: i32, max_queue: usize, queue_timeout_ms: u64) -> ClassConfig 
         queue_timeout_ms,
         pool: None,
         min_prompt_tokens: None,
+        models: Vec::new(),
+        paths: Vec::new(),
     }
 }
 
@@ -195,11 +197,19 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
     let mut long = class(0, 8, 30_000);
     long.pool = Some("batch".into());
     long.min_prompt_tokens = Some(200);
+    let mut by_path = class(0, 8, 30_000);
+    by_path.pool = Some("batch".into());
+    by_path.paths = vec!["/v1/completions".into()];
+    let mut by_model = class(0, 8, 30_000);
+    by_model.pool = Some("batch".into());
+    by_model.models = vec!["offline-model".into()];
     cfg.classes = BTreeMap::from([
         ("default".to_owned(), interactive.clone()),
         ("interactive".to_owned(), interactive),
         ("batch".to_owned(), batch),
         ("long".to_owned(), long),
+        ("legacy".to_owned(), by_path),
+        ("offline".to_owned(), by_model),
     ]);
     cfg.measure.default_class = "default".into();
     let p = headroom_proxy::start(cfg.validated().unwrap())
@@ -232,6 +242,27 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
     assert_eq!(ask(Some("batch"), 5, 2).await, "b");
     assert_eq!(ask(None, 5, 2).await, "a");
     assert_eq!(ask(None, 300, 2).await, "b");
+    // The path and the model classify too.
+    let backend_of = |resp: reqwest::Response| {
+        resp.headers()["x-headroom-backend"]
+            .to_str()
+            .unwrap()
+            .to_owned()
+    };
+    let completion = c
+        .post(format!("http://{}/v1/completions", p.addr))
+        .json(&json!({"prompt": "hi", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(backend_of(completion), "b");
+    let offline = c
+        .post(format!("http://{}/v1/chat/completions", p.addr))
+        .json(&json!({"model": "offline-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(backend_of(offline), "b");
     // Two batch requests at once: the second borrows the idle interactive replica.
     let admission = p.admission.clone().unwrap();
     let (x, y) = tokio::join!(ask(Some("batch"), 5, 40), async {
