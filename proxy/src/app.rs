@@ -227,7 +227,7 @@ impl Headroom {
                     return Err(not_allowed(&method, &path));
                 }
                 let body = self.read_body(session).await?;
-                self.generate(session, ctx, endpoint, body).await
+                self.generate(session, ctx, endpoint, &path, body).await
             }
             Route::Models => {
                 if method != Method::GET {
@@ -255,6 +255,7 @@ impl Headroom {
         session: &mut Session,
         ctx: &mut RequestCtx,
         endpoint: Endpoint,
+        path: &str,
         body: Bytes,
     ) -> Result<(), ProxyError> {
         // A body the inspector cannot read still goes to an engine, whose own error is the
@@ -272,11 +273,10 @@ impl Headroom {
                 .map(str::to_owned)
         };
         let session_key = header(self.cfg.routing.session_header.as_str());
-        let path = session.req_header().uri.path().to_owned();
         ctx.class = self.classify(
             header(self.cfg.measure.class_header.as_str()),
             inspected.as_ref().and_then(|i| i.model.as_deref()),
-            &path,
+            path,
             inspected.as_ref().map(|i| i.prompt_tokens),
         );
         ctx.pool = self.cfg.pool_of(&ctx.class);

@@ -18,7 +18,7 @@ use pingora::upstreams::peer::HttpPeer;
 use crate::admission::{Ask, Pick as AdmissionPick, Refusal, Room};
 use crate::app::{Headroom, RequestCtx};
 use crate::error::{ErrorKind, ProxyError};
-use crate::routing::{RouteRequest, RoutingPolicy};
+use crate::routing::{BackendView, RouteRequest, RoutingPolicy};
 use crate::upstreams::{Backend, InFlight};
 
 /// Request headers that belong to one connection, never forwarded (RFC 9110 §7.6.1), plus the
@@ -39,6 +39,34 @@ const HOP_BY_HOP: &[&str] = &[
 
 /// Statuses after which another replica is tried: the replica could not take the request.
 const RETRY_STATUSES: &[u16] = &[502, 503];
+
+/// The fleet as one pick sees it.
+struct FleetLook {
+    views: Vec<BackendView>,
+    serves: Option<Vec<bool>>,
+}
+
+impl FleetLook {
+    /// The replicas among `members` a request may go to: healthy, not ejected, not tried already,
+    /// and serving its model (unless none of them does: then an engine answers with its own error).
+    fn candidates(&self, members: &[bool], tried: &[usize]) -> Vec<BackendView> {
+        let mut views = self.views.clone();
+        for v in &mut views {
+            v.healthy &= members.get(v.id).copied().unwrap_or(false);
+        }
+        if let Some(serves) = &self.serves {
+            if views.iter().any(|v| v.healthy && serves[v.id]) {
+                for v in &mut views {
+                    v.healthy &= serves[v.id];
+                }
+            }
+        }
+        for v in views.iter_mut().filter(|v| tried.contains(&v.id)) {
+            v.healthy = false;
+        }
+        views
+    }
+}
 
 /// How a forwarded request ended, once it could no longer be answered by the proxy.
 #[derive(Debug)]
@@ -162,8 +190,9 @@ impl Headroom {
                         let plan = self.pool_plan(&ctx.pool);
                         let pick = |room: &[Room]| {
                             let route_start = Instant::now();
-                            let own = self.candidates(out.model, &tried, &plan.members);
-                            let borrowed = self.candidates(out.model, &tried, &plan.borrowable);
+                            let look = self.look(out.model);
+                            let own = look.candidates(&plan.members, &tried);
+                            let borrowed = look.candidates(&plan.borrowable, &tried);
                             if !own.iter().chain(&borrowed).any(|v| v.healthy) {
                                 return Err(format!("no healthy replica in pool {}", plan.name));
                             }
@@ -241,9 +270,10 @@ impl Headroom {
                 _ => {
                     let route_start = Instant::now();
                     let plan = self.pool_plan(&ctx.pool);
-                    let mut views = self.candidates(out.model, &tried, &plan.members);
+                    let look = self.look(out.model);
+                    let mut views = look.candidates(&plan.members, &tried);
                     if !views.iter().any(|v| v.healthy) {
-                        views = self.candidates(out.model, &tried, &plan.borrowable);
+                        views = look.candidates(&plan.borrowable, &tried);
                     }
                     let pick = match policy.select(&out.route, &views) {
                         Ok(p) => p,
@@ -324,35 +354,19 @@ impl Headroom {
         Err(last_err.unwrap_or_else(|| ProxyError::new(ErrorKind::NoBackend, "no attempt made")))
     }
 
-    /// The replicas a request may go to: healthy, not ejected, not tried already, and serving its
-    /// model (unless none does: then an engine answers with its own error).
-    fn candidates(
-        &self,
-        model: Option<&str>,
-        tried: &[usize],
-        members: &[bool],
-    ) -> Vec<crate::routing::BackendView> {
-        let mut views = self.fleet.views();
-        for v in &mut views {
-            v.healthy &= members.get(v.id).copied().unwrap_or(false);
+    /// One look at the fleet for a pick: every replica's view and, when a model was asked for,
+    /// which replicas list it.
+    fn look(&self, model: Option<&str>) -> FleetLook {
+        FleetLook {
+            views: self.fleet.views(),
+            serves: model.map(|m| {
+                self.fleet
+                    .backends
+                    .iter()
+                    .map(|b| b.serves(m) != Some(false))
+                    .collect()
+            }),
         }
-        if let Some(model) = model {
-            let serves: Vec<bool> = self
-                .fleet
-                .backends
-                .iter()
-                .map(|b| b.serves(model) != Some(false))
-                .collect();
-            if views.iter().any(|v| v.healthy && serves[v.id]) {
-                for v in &mut views {
-                    v.healthy &= serves[v.id];
-                }
-            }
-        }
-        for v in views.iter_mut().filter(|v| tried.contains(&v.id)) {
-            v.healthy = false;
-        }
-        views
     }
 
     /// Connects, sends the request and waits for the response header, while watching the client.

@@ -103,11 +103,12 @@ impl Headroom {
     /// Finishes a generation request's record: metrics, goodput, `/stats`, capture.
     pub(crate) fn finish_record(&self, ctx: &mut RequestCtx) {
         let now = Instant::now();
-        let timing = ctx
+        let mut timing = ctx
             .meter
-            .as_ref()
-            .map(|m| m.timing(ctx.start))
+            .take()
+            .map(|m| m.into_timing(ctx.start))
             .unwrap_or_default();
+        let tpot = timing.tpot();
         let backend = ctx.backend.as_deref().unwrap_or("none");
         let labels = [ctx.pool.as_str(), ctx.class.as_str(), backend];
         let completed = ctx.completed && (200..300).contains(&ctx.status) && !timing.error_event;
@@ -138,7 +139,7 @@ impl Headroom {
         observe(&m.queue, queue);
         observe(&m.prefill, prefill);
         observe(&m.ttft, timing.ttft);
-        observe(&m.tpot, timing.tpot());
+        observe(&m.tpot, tpot);
         observe(&m.e2e, timing.e2e);
         if !timing.itl.is_empty() {
             let h = m.itl.with_label_values(&labels);
@@ -183,7 +184,7 @@ impl Headroom {
                 prompt_tokens,
                 queue,
                 ttft: timing.ttft,
-                tpot: timing.tpot(),
+                tpot,
                 e2e: timing.e2e,
                 itl: &timing.itl,
             },
@@ -198,7 +199,8 @@ impl Headroom {
             m.capture_skipped.with_label_values(&["sampled_out"]).inc();
             return;
         }
-        let mut gaps = timing.itl.clone();
+        // The gaps are not needed in arrival order any more.
+        let gaps = &mut timing.itl;
         gaps.sort_unstable();
         let input_length = u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1);
         let record = TraceRecord {
@@ -219,14 +221,14 @@ impl Headroom {
             stream: Some(facts.stream),
             queue_ms: queue.map(ms),
             ttft_ms: timing.ttft.map(ms),
-            tpot_ms: timing.tpot().map(ms),
+            tpot_ms: tpot.map(ms),
             itl_mean_ms: (!gaps.is_empty())
                 .then(|| gaps.iter().map(|g| ms(*g)).sum::<f64>() / gaps.len() as f64),
-            itl_p50_ms: gap_percentile(&gaps, 0.50),
-            itl_p99_ms: gap_percentile(&gaps, 0.99),
+            itl_p50_ms: gap_percentile(gaps, 0.50),
+            itl_p99_ms: gap_percentile(gaps, 0.99),
             itl_max_ms: gaps.last().map(|g| ms(*g)),
             e2e_ms: timing.e2e.map(ms),
-            finish_reason: timing.finish_reason.clone().or_else(|| {
+            finish_reason: timing.finish_reason.take().or_else(|| {
                 (!completed).then(|| if ctx.status == 499 { "abort" } else { "error" }.to_owned())
             }),
             cached_tokens: timing.usage.and_then(|u| u.cached_tokens),

@@ -141,11 +141,6 @@ pub fn classify_event(data: &str) -> EventInfo {
     }
 }
 
-/// Whether an OpenAI-compatible stream event carries output.
-pub fn is_output_event(data: &str) -> bool {
-    classify_event(data).output
-}
-
 /// Latency objectives in ms; an unset one always passes.
 #[derive(Debug, Clone, Copy, Default, PartialEq)]
 pub struct Objectives {
@@ -310,15 +305,8 @@ impl ResponseMeter {
         let mut held = std::mem::take(&mut self.held);
         let mut run: Option<usize> = None;
         let mut start = 0;
-        let mut ends = Vec::new();
         parser.feed_with_ends(&chunk, |end, ev| {
-            ends.push((end, ev.map(|e| e.data)));
-        });
-        for (end, data) in ends {
-            let keep = match data {
-                Some(d) => !self.on_event(&d).usage_only,
-                None => true,
-            };
+            let keep = ev.is_none_or(|e| !self.on_event(&e.data).usage_only);
             if start == 0 && !held.is_empty() {
                 let h = std::mem::take(&mut held);
                 if keep {
@@ -334,7 +322,7 @@ impl ResponseMeter {
                 _ => {}
             }
             start = end;
-        }
+        });
         if let Some(s) = run {
             pieces.push(chunk.slice(s..start));
         }
@@ -410,18 +398,18 @@ impl ResponseMeter {
         (!self.held.is_empty()).then(|| std::mem::take(&mut self.held).freeze())
     }
 
-    /// The timing relative to `arrival`.
-    pub fn timing(&self, arrival: Instant) -> ResponseTiming {
+    /// The measured timing, relative to `arrival`; the meter is used up.
+    pub fn into_timing(self, arrival: Instant) -> ResponseTiming {
         let since = |t: Option<Instant>| t.map(|t| t.saturating_duration_since(arrival));
         ResponseTiming {
             first_byte: since(self.first_byte),
             ttft: since(self.first_output),
             last_output: since(self.last_output),
             e2e: since(self.end),
-            itl: self.itl.clone(),
+            itl: self.itl,
             output_events: self.output_events,
             usage: self.usage,
-            finish_reason: self.finish_reason.clone(),
+            finish_reason: self.finish_reason,
             error_event: self.error_event,
             done: self.done,
         }
@@ -480,7 +468,7 @@ mod tests {
             (DONE, false),
             ("not json", false),
         ] {
-            assert_eq!(is_output_event(data), want, "{data}");
+            assert_eq!(classify_event(data).output, want, "{data}");
         }
         let u = classify_event(
             r#"{"id":"x","choices":[],"usage":{"prompt_tokens":3,"completion_tokens":7,"total_tokens":10,"prompt_tokens_details":{"cached_tokens":2}}}"#,
@@ -541,7 +529,7 @@ mod tests {
         let end = t0 + Duration::from_millis(cuts.len() as u64 + 2);
         out.extend_from_slice(m.finish(end, true).as_deref().unwrap_or_default());
         assert!(firsts <= 1);
-        (out, m.timing(t0))
+        (out, m.into_timing(t0))
     }
 
     #[test]
@@ -606,7 +594,7 @@ mod tests {
         }
         assert!(m.finish(t0 + Duration::from_millis(50), true).is_none());
         assert_eq!(out, body);
-        let t = m.timing(t0);
+        let t = m.into_timing(t0);
         assert_eq!(
             t.usage.map(|u| (u.prompt_tokens, u.completion_tokens)),
             Some((9, 4))
@@ -631,6 +619,6 @@ mod tests {
             t0,
         );
         m.finish(t0, true);
-        assert_eq!(m.timing(t0).output_tokens(), 2);
+        assert_eq!(m.into_timing(t0).output_tokens(), 2);
     }
 }

@@ -199,12 +199,9 @@ impl Stats {
     pub fn record(&self, pool: &str, class: &str, f: &Finished<'_>, now: Instant) {
         let start = self.slot_start(now);
         let mut groups = self.groups.lock().unwrap_or_else(|e| e.into_inner());
-        let g = match groups.get_mut(&(pool.to_owned(), class.to_owned())) {
-            Some(g) => g,
-            None => groups
-                .entry((pool.to_owned(), class.to_owned()))
-                .or_default(),
-        };
+        let g = groups
+            .entry((pool.to_owned(), class.to_owned()))
+            .or_default();
         let oldest = start.saturating_sub(SLOT_SECS * (SLOTS as u64 - 1));
         g.slots.retain(|s| s.start >= oldest);
         if g.slots.last().is_none_or(|s| s.start != start) {
