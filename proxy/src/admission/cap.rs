@@ -112,15 +112,16 @@ impl CapController {
         }
     }
 
+    /// Whether `in_flight` leaves room for one more, without counting it as work turned away.
+    pub fn fits(&self, in_flight: u32) -> bool {
+        self.cap.is_none_or(|c| in_flight < c)
+    }
+
     /// Whether `in_flight` leaves room for one more; when not, the cap is binding.
     pub fn has_room(&mut self, in_flight: u32) -> bool {
-        match self.cap {
-            Some(c) if in_flight >= c => {
-                self.binding = true;
-                false
-            }
-            _ => true,
-        }
+        let fits = self.fits(in_flight);
+        self.binding |= !fits;
+        fits
     }
 
     /// Adapts the cap to a scrape.

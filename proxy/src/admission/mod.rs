@@ -224,7 +224,7 @@ impl Admission {
                             if key.is_some() {
                                 release_queue_entry(&mut g, ask.class);
                                 // Others may fit where this one did not.
-                                let free = g.slots.iter_mut().any(|s| s.cap.has_room(s.in_flight));
+                                let free = g.slots.iter().any(|s| s.cap.fits(s.in_flight));
                                 if free {
                                     wake_first(&mut g, 1);
                                 }
