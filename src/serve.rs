@@ -27,6 +27,10 @@ pub struct ServeArgs {
     /// Record every finished request to this JSONL trace (docs/trace-format.md).
     #[arg(long, value_name = "FILE")]
     capture: Option<String>,
+    /// The engines' KV event endpoints (tcp://host:port), one per backend in order, for the
+    /// kv_events policy.
+    #[arg(long, value_name = "ENDPOINT,…", value_delimiter = ',')]
+    kv_events: Vec<String>,
 }
 
 impl ServeArgs {
@@ -52,14 +56,19 @@ impl ServeArgs {
             cfg.capture.path = Some(c.clone());
         }
         if !self.backends.is_empty() {
-            cfg.backends = self
-                .backends
-                .iter()
-                .map(|u| BackendConfig {
-                    url: u.clone(),
-                    name: None,
-                })
-                .collect();
+            cfg.backends = self.backends.iter().map(|u| BackendConfig::at(u)).collect();
+        }
+        if !self.kv_events.is_empty() {
+            if self.kv_events.len() != cfg.backends.len() {
+                anyhow::bail!(
+                    "--kv-events lists {} endpoints for {} backends: give one per backend, in order",
+                    self.kv_events.len(),
+                    cfg.backends.len()
+                );
+            }
+            for (b, ep) in cfg.backends.iter_mut().zip(&self.kv_events) {
+                b.kv_events = Some(ep.clone());
+            }
         }
         cfg.validated().map_err(|errors| {
             let list: Vec<String> = errors.iter().map(|e| format!("  - {e}")).collect();

@@ -15,6 +15,7 @@ pub const POLICIES: &[&str] = &[
     "session",
     "consistent_hash",
     "prefix_affinity",
+    "kv_events",
 ];
 
 /// The whole `headroom serve` config.
@@ -59,6 +60,44 @@ pub struct ServeConfig {
     /// Replica pools; absent, one pool `default` holds every backend.
     #[serde(default)]
     pub pools: Vec<PoolConfig>,
+    /// Listening to the engines' KV events (the `kv_events` policy).
+    #[serde(default)]
+    pub kv_events: KvEventsConfig,
+}
+
+/// How the proxy follows the engines' KV cache events.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct KvEventsConfig {
+    /// How the engine hashes blocks, so request-side hashes equal the ones it publishes:
+    /// `headroom` (headroom's simulator: xxh3 chain seeded with `hash_seed`).
+    pub hash: String,
+    /// The engine's hash seed (the simulator's `--hash-seed`).
+    pub hash_seed: u64,
+    /// Topic prefix subscribed to (the engine's `topic`; empty takes every message).
+    pub topic: String,
+    /// How long a sent request's new blocks count as held before the engine reports them.
+    pub pending_ttl_ms: u64,
+    /// How long an expected event may be missing before a replica's stream is distrusted.
+    pub stale_after_ms: u64,
+    /// How long a replay request may take.
+    pub replay_timeout_ms: u64,
+}
+
+/// Block hash schemes the proxy can compute the way the engine does.
+pub const KV_HASHES: &[&str] = &["headroom"];
+
+impl Default for KvEventsConfig {
+    fn default() -> Self {
+        Self {
+            hash: "headroom".into(),
+            hash_seed: 0,
+            topic: String::new(),
+            pending_ttl_ms: 10_000,
+            stale_after_ms: 5_000,
+            replay_timeout_ms: 2_000,
+        }
+    }
 }
 
 /// A set of replicas that serves its own classes.
@@ -91,9 +130,26 @@ pub struct BackendConfig {
     /// Name in metrics and logs; the URL's `host:port` when absent.
     #[serde(default)]
     pub name: Option<String>,
+    /// The engine's KV event stream (its `--kv-events-config` endpoint as seen from the proxy,
+    /// e.g. `tcp://10.0.0.5:5557`), for the `kv_events` policy.
+    #[serde(default)]
+    pub kv_events: Option<String>,
+    /// The engine's replay endpoint (`replay_endpoint`), to fill gaps in the stream.
+    #[serde(default)]
+    pub kv_events_replay: Option<String>,
 }
 
 impl BackendConfig {
+    /// A replica at `url`, with nothing else configured.
+    pub fn at(url: &str) -> Self {
+        Self {
+            url: url.to_owned(),
+            name: None,
+            kv_events: None,
+            kv_events_replay: None,
+        }
+    }
+
     /// `host:port` of the URL.
     pub fn authority(&self) -> &str {
         self.url.trim_start_matches("http://").trim_end_matches('/')
@@ -128,6 +184,10 @@ pub struct RoutingConfig {
     pub index_blocks: Option<u64>,
     /// Header whose value is the session key of the `session` policy.
     pub session_header: String,
+    /// Count other proxies' work on each replica (its running + waiting gauges minus this
+    /// proxy's own in-flight requests at the last scrape) in `least_load`, `prefix_affinity` and
+    /// `kv_events`: for several proxies in front of the same replicas.
+    pub foreign_load: bool,
 }
 
 impl Default for RoutingConfig {
@@ -141,6 +201,7 @@ impl Default for RoutingConfig {
             recompute_weight: 2.0,
             index_blocks: None,
             session_header: "x-session-id".into(),
+            foreign_load: false,
         }
     }
 }
@@ -450,13 +511,7 @@ impl ServeConfig {
         Self {
             listen: listen.to_owned(),
             admin_listen: default_admin_listen(),
-            backends: backends
-                .iter()
-                .map(|u| BackendConfig {
-                    url: u.clone(),
-                    name: None,
-                })
-                .collect(),
+            backends: backends.iter().map(|u| BackendConfig::at(u)).collect(),
             routing: RoutingConfig {
                 policy: policy.to_owned(),
                 ..RoutingConfig::default()
@@ -470,6 +525,7 @@ impl ServeConfig {
             capture: CaptureConfig::default(),
             admission: AdmissionConfig::default(),
             pools: Vec::new(),
+            kv_events: KvEventsConfig::default(),
         }
     }
 
@@ -563,6 +619,76 @@ impl Validate for ServeConfig {
                 "name",
                 &name,
                 "names must be unique",
+            );
+            for (field, endpoint) in [
+                ("kv_events", &b.kv_events),
+                ("kv_events_replay", &b.kv_events_replay),
+            ] {
+                if let Some(ep) = endpoint {
+                    let ok = ep
+                        .strip_prefix("tcp://")
+                        .is_some_and(|a| is_host_port(a) && !a.starts_with('*'));
+                    check(
+                        e,
+                        ok,
+                        &bp,
+                        field,
+                        ep,
+                        "must be tcp://host:port of the engine's publisher",
+                    );
+                }
+            }
+            check(
+                e,
+                b.kv_events.is_some() || b.kv_events_replay.is_none(),
+                &bp,
+                "kv_events_replay",
+                b.kv_events_replay.as_deref().unwrap_or(""),
+                "needs kv_events (the stream it fills gaps in)",
+            );
+        }
+        let k = &self.kv_events;
+        let kp = field_path(p, "kv_events");
+        check(
+            e,
+            KV_HASHES.contains(&k.hash.as_str()),
+            &kp,
+            "hash",
+            &k.hash,
+            &format!("must be one of {}", KV_HASHES.join(", ")),
+        );
+        check(
+            e,
+            k.pending_ttl_ms > 0,
+            &kp,
+            "pending_ttl_ms",
+            k.pending_ttl_ms,
+            "must be positive",
+        );
+        check(
+            e,
+            k.stale_after_ms > 0,
+            &kp,
+            "stale_after_ms",
+            k.stale_after_ms,
+            "must be positive",
+        );
+        check(
+            e,
+            k.replay_timeout_ms > 0,
+            &kp,
+            "replay_timeout_ms",
+            k.replay_timeout_ms,
+            "must be positive",
+        );
+        if self.routing.policy == "kv_events" {
+            check(
+                e,
+                self.backends.iter().any(|b| b.kv_events.is_some()),
+                &field_path(p, "routing"),
+                "policy",
+                "kv_events",
+                "needs backends[].kv_events (the engines' KV event endpoints) on at least one backend",
             );
         }
         let r = &self.routing;
@@ -923,6 +1049,7 @@ mod tests {
         assert_eq!(c.measure, MeasureConfig::default());
         assert_eq!(c.classes, default_classes());
         assert_eq!(c.admission, AdmissionConfig::default());
+        assert_eq!(c.kv_events, KvEventsConfig::default());
         assert_eq!(
             c.capture,
             CaptureConfig {
@@ -968,6 +1095,42 @@ block_tokens = 0
         ] {
             assert!(err.contains(want), "missing {want:?} in\n{err}");
         }
+    }
+
+    #[test]
+    fn kv_events_needs_endpoints_that_name_the_engine() {
+        let text = r#"
+[[backends]]
+url = "http://127.0.0.1:8001"
+[[backends]]
+url = "http://127.0.0.1:8002"
+kv_events_replay = "tcp://127.0.0.1:5567"
+[routing]
+policy = "kv_events"
+[kv_events]
+hash = "pickle"
+"#;
+        let err = parse_toml::<ServeConfig>(text, Path::new("h.toml"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "routing.policy = kv_events: needs backends[].kv_events",
+            "backends[1].kv_events_replay = tcp://127.0.0.1:5567: needs kv_events",
+            "kv_events.hash = pickle: must be one of headroom",
+        ] {
+            assert!(err.contains(want), "missing {want:?} in\n{err}");
+        }
+        let wildcard =
+            "[[backends]]\nurl = \"http://127.0.0.1:8001\"\nkv_events = \"tcp://*:5557\"\n";
+        let err = parse_toml::<ServeConfig>(wildcard, Path::new("h.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("must be tcp://host:port of the engine's publisher"),
+            "{err}"
+        );
+        let ok = "[[backends]]\nurl = \"http://127.0.0.1:8001\"\nkv_events = \"tcp://10.0.0.5:5557\"\n[routing]\npolicy = \"kv_events\"\n";
+        assert!(parse_toml::<ServeConfig>(ok, Path::new("h.toml")).is_ok());
     }
 
     #[test]

@@ -3,7 +3,7 @@
 //! tests run in-process), the health probes and the engine-metrics scraper until stopped.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
 use axum::Router;
@@ -22,13 +22,15 @@ use crate::admission::Admission;
 use crate::admission::cap::{CapParams, Change, Feedback};
 use crate::app::Headroom;
 use crate::routing::{
-    ConsistentHash, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin, RoutingPolicy, Session,
+    ConsistentHash, KvEvents, KvIndex, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin,
+    RoutingPolicy, Session,
 };
 use crate::telemetry::Metrics;
 use crate::telemetry::capture::Capture;
 use crate::telemetry::stats::Stats;
 use crate::upstreams::Fleet;
 use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
+use crate::upstreams::kv_events::{EventSource, subscribe_loop};
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -91,35 +93,66 @@ impl ServeHandle {
     }
 }
 
-/// The routing policy named in the config.
-pub fn build_policy(cfg: &ServeConfig) -> Arc<dyn RoutingPolicy> {
+/// The routing policy named in the config, and the exact prefix index the `kv_events` policy
+/// reads (which the event subscribers fill).
+pub fn build_policy(cfg: &ServeConfig) -> (Arc<dyn RoutingPolicy>, Option<Arc<Mutex<KvIndex>>>) {
     let r = &cfg.routing;
-    match r.policy.as_str() {
-        "round_robin" => Arc::new(RoundRobin::default()),
-        "least_load" => Arc::new(LeastLoad),
-        "session" => Arc::new(Session),
-        "consistent_hash" => Arc::new(ConsistentHash),
-        _ => {
-            let mut index = PrefixIndex::new();
-            if let Some(blocks) = r.index_blocks {
-                for i in 0..cfg.backends.len() {
-                    index.set_capacity(i, blocks as usize);
-                }
+    let affinity = || {
+        let mut index = PrefixIndex::new();
+        if let Some(blocks) = r.index_blocks {
+            for i in 0..cfg.backends.len() {
+                index.set_capacity(i, blocks as usize);
             }
-            let mut p = PrefixAffinity::new(index);
-            p.decode_weight = r.decode_weight;
-            p.recompute_weight = r.recompute_weight;
-            Arc::new(p)
         }
+        let mut p = PrefixAffinity::new(index);
+        p.decode_weight = r.decode_weight;
+        p.recompute_weight = r.recompute_weight;
+        p
+    };
+    match r.policy.as_str() {
+        "round_robin" => (Arc::new(RoundRobin::default()), None),
+        "least_load" => (Arc::new(LeastLoad), None),
+        "session" => (Arc::new(Session), None),
+        "consistent_hash" => (Arc::new(ConsistentHash), None),
+        "kv_events" => {
+            let k = &cfg.kv_events;
+            let exact = Arc::new(Mutex::new(KvIndex::new(
+                cfg.backends.len(),
+                Duration::from_millis(k.pending_ttl_ms),
+                Duration::from_millis(k.stale_after_ms),
+            )));
+            (
+                Arc::new(KvEvents::new(affinity(), exact.clone())),
+                Some(exact),
+            )
+        }
+        _ => (Arc::new(affinity()), None),
+    }
+}
+
+/// How requests are hashed: the engine's own chain under `kv_events` (so request-side hashes
+/// equal the ones the engine publishes), headroom's model-seeded chain otherwise.
+pub fn inspect_config(cfg: &ServeConfig) -> InspectConfig {
+    let engine = cfg.routing.policy == "kv_events";
+    InspectConfig {
+        block_tokens: cfg.routing.block_tokens,
+        max_hashed_tokens: cfg.routing.max_hashed_tokens,
+        hash_seed: if engine {
+            cfg.kv_events.hash_seed
+        } else {
+            cfg.routing.hash_seed
+        },
+        model_in_seed: !engine,
     }
 }
 
 /// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
 pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let cfg = Arc::new(cfg);
-    let fleet =
-        Arc::new(Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?);
-    let policy = build_policy(&cfg);
+    let mut fleet = Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
+    fleet.count_foreign = cfg.routing.foreign_load;
+    let fleet = Arc::new(fleet);
+    let (policy, kv_index) = build_policy(&cfg);
     let metrics = Arc::new(Metrics::new());
     let stats = Arc::new(Stats::default());
     let capture = Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new);
@@ -151,11 +184,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         metrics: metrics.clone(),
         connector: Connector::new(None),
         cfg: cfg.clone(),
-        inspect: InspectConfig {
-            block_tokens: cfg.routing.block_tokens,
-            max_hashed_tokens: cfg.routing.max_hashed_tokens,
-            hash_seed: cfg.routing.hash_seed,
-        },
+        inspect: inspect_config(&cfg),
         http: http.clone(),
         stats: stats.clone(),
         capture: capture.clone(),
@@ -188,11 +217,33 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     ));
     tasks.push(tokio::spawn(accept_loop(listener, app, stop_rx.clone())));
 
+    if let Some(index) = &kv_index {
+        for (id, b) in cfg.backends.iter().enumerate() {
+            let Some(endpoint) = &b.kv_events else {
+                continue;
+            };
+            let src = EventSource {
+                id,
+                name: b.display_name(),
+                endpoint: endpoint.clone(),
+                replay: b.kv_events_replay.clone(),
+                topic: cfg.kv_events.topic.clone(),
+                replay_timeout: Duration::from_millis(cfg.kv_events.replay_timeout_ms),
+            };
+            tasks.push(tokio::spawn(subscribe_loop(
+                src,
+                index.clone(),
+                metrics.clone(),
+                stop_rx.clone(),
+            )));
+        }
+    }
     let admin = admin_router(
         fleet.clone(),
         metrics.clone(),
         stats.clone(),
         admission.clone(),
+        kv_index.clone(),
     );
     let mut admin_stop = stop_rx.clone();
     tasks.push(tokio::spawn(async move {
@@ -310,19 +361,22 @@ fn admin_router(
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
     admission: Option<Arc<Admission>>,
+    kv_index: Option<Arc<Mutex<KvIndex>>>,
 ) -> Router {
     let ready_fleet = fleet.clone();
     let (stats_fleet, stats_metrics) = (fleet.clone(), metrics.clone());
     let (stats_admission, metrics_admission) = (admission.clone(), admission);
+    let (stats_kv, metrics_kv) = (kv_index.clone(), kv_index);
     Router::new()
         .route(
             "/stats",
             get(move || {
-                let (fleet, metrics, stats, admission) = (
+                let (fleet, metrics, stats, admission, kv) = (
                     stats_fleet.clone(),
                     stats_metrics.clone(),
                     stats.clone(),
                     stats_admission.clone(),
+                    stats_kv.clone(),
                 );
                 async move {
                     let mut backends = metrics.backend_stats(&fleet);
@@ -332,6 +386,26 @@ fn admin_router(
                             b["admission"] = serde_json::json!({"cap": cap, "in_flight": admitted});
                         }
                         queued = serde_json::json!(a.queued());
+                    }
+                    if let Some(kv) = &kv {
+                        let ix = kv.lock().unwrap_or_else(|e| e.into_inner());
+                        let now = std::time::Instant::now();
+                        for (id, b) in backends.iter_mut().enumerate() {
+                            let c = ix.counts(id);
+                            b["kv_events"] = serde_json::json!({
+                                "state": ix.state(id, now).name(),
+                                "blocks": ix.held(id),
+                                "next_seq": ix.next_seq(id),
+                                "batches": c.batches,
+                                "gaps": c.gaps,
+                                "losses": c.losses,
+                                "restarts": c.restarts,
+                                "clears": c.clears,
+                                "unknown_removals": c.unknown_removals,
+                                "sent_blocks_confirmed": c.confirmed,
+                                "sent_blocks_expired": c.expired,
+                            });
+                        }
                     }
                     axum::Json(serde_json::json!({
                         "windows": stats.snapshot(std::time::Instant::now()),
@@ -344,10 +418,20 @@ fn admin_router(
         .route(
             "/metrics",
             get(move || {
-                let (fleet, metrics, admission) =
-                    (fleet.clone(), metrics.clone(), metrics_admission.clone());
+                let (fleet, metrics, admission, kv) = (
+                    fleet.clone(),
+                    metrics.clone(),
+                    metrics_admission.clone(),
+                    metrics_kv.clone(),
+                );
                 async move {
                     metrics.refresh(&fleet);
+                    if let Some(kv) = &kv {
+                        metrics.refresh_kv_events(
+                            &fleet,
+                            &kv.lock().unwrap_or_else(|e| e.into_inner()),
+                        );
+                    }
                     if let Some(a) = &admission {
                         metrics.refresh_admission(&fleet, a);
                     }

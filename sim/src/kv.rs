@@ -20,28 +20,7 @@ pub type BlockId = u32;
 
 const NIL: BlockId = u32::MAX;
 
-/// A KV cache event as vLLM publishes it.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum KvEvent {
-    /// Consecutive blocks of one request became full and cached.
-    BlockStored {
-        /// Hashes of the new blocks, in order.
-        block_hashes: Vec<BlockHash>,
-        /// Hash of the block before the first one, if any.
-        parent_block_hash: Option<BlockHash>,
-        /// Token ids of all the new blocks.
-        token_ids: Vec<u32>,
-        /// Tokens per block.
-        block_size: u32,
-    },
-    /// Cached blocks were evicted.
-    BlockRemoved {
-        /// Hashes of the evicted blocks.
-        block_hashes: Vec<BlockHash>,
-    },
-    /// The whole prefix cache was reset.
-    AllBlocksCleared,
-}
+pub use headroom_workload::kv_events::KvEvent;
 
 #[derive(Debug, Clone)]
 struct Block {

@@ -20,7 +20,7 @@ use serde::Deserialize;
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 use crate::engine::KvBatch;
-use crate::kv::KvEvent;
+use headroom_workload::kv_events::encode_batch;
 
 /// vLLM's `KVEventsConfig` (plus `format`, the simulator's choice of event encoding).
 #[derive(Debug, Clone, PartialEq, Deserialize)]
@@ -87,101 +87,6 @@ impl KvEventsConfig {
         }
         Ok(c)
     }
-}
-
-/// Encodes one step's batch as vLLM's msgpack payload.
-pub fn encode_batch(ts: f64, events: &[KvEvent], dp_rank: u32, legacy: bool) -> Vec<u8> {
-    use rmp::encode::{
-        write_array_len, write_f64, write_map_len, write_nil, write_str, write_u32, write_uint,
-    };
-    let mut b = Vec::with_capacity(64 + events.len() * 64);
-    // Writing into a Vec cannot fail.
-    let hashes = |b: &mut Vec<u8>, hs: &[u64]| {
-        let _ = write_array_len(b, hs.len() as u32);
-        for &h in hs {
-            let _ = write_uint(b, h);
-        }
-    };
-    let _ = write_array_len(&mut b, 3);
-    let _ = write_f64(&mut b, ts);
-    let _ = write_array_len(&mut b, events.len() as u32);
-    for e in events {
-        match e {
-            KvEvent::BlockStored {
-                block_hashes,
-                parent_block_hash,
-                token_ids,
-                block_size,
-            } => {
-                if legacy {
-                    let _ = write_array_len(&mut b, 7);
-                    let _ = write_str(&mut b, "BlockStored");
-                } else {
-                    let _ = write_map_len(&mut b, 8);
-                    let _ = write_str(&mut b, "type");
-                    let _ = write_str(&mut b, "BlockStored");
-                    let _ = write_str(&mut b, "block_hashes");
-                }
-                hashes(&mut b, block_hashes);
-                if !legacy {
-                    let _ = write_str(&mut b, "parent_block_hash");
-                }
-                match parent_block_hash {
-                    Some(p) => drop(write_uint(&mut b, *p)),
-                    None => drop(write_nil(&mut b)),
-                }
-                if !legacy {
-                    let _ = write_str(&mut b, "token_ids");
-                }
-                let _ = write_array_len(&mut b, token_ids.len() as u32);
-                for &t in token_ids {
-                    let _ = write_u32(&mut b, t);
-                }
-                if !legacy {
-                    let _ = write_str(&mut b, "block_size");
-                }
-                let _ = write_u32(&mut b, *block_size);
-                if !legacy {
-                    let _ = write_str(&mut b, "lora_id");
-                }
-                let _ = write_nil(&mut b);
-                if !legacy {
-                    let _ = write_str(&mut b, "medium");
-                }
-                let _ = write_str(&mut b, "GPU");
-                if !legacy {
-                    let _ = write_str(&mut b, "lora_name");
-                    let _ = write_nil(&mut b);
-                }
-            }
-            KvEvent::BlockRemoved { block_hashes } => {
-                if legacy {
-                    let _ = write_array_len(&mut b, 3);
-                    let _ = write_str(&mut b, "BlockRemoved");
-                    hashes(&mut b, block_hashes);
-                } else {
-                    let _ = write_map_len(&mut b, 3);
-                    let _ = write_str(&mut b, "type");
-                    let _ = write_str(&mut b, "BlockRemoved");
-                    let _ = write_str(&mut b, "block_hashes");
-                    hashes(&mut b, block_hashes);
-                    let _ = write_str(&mut b, "medium");
-                }
-                let _ = write_str(&mut b, "GPU");
-            }
-            KvEvent::AllBlocksCleared => {
-                if legacy {
-                    let _ = write_array_len(&mut b, 1);
-                } else {
-                    let _ = write_map_len(&mut b, 1);
-                    let _ = write_str(&mut b, "type");
-                }
-                let _ = write_str(&mut b, "AllBlocksCleared");
-            }
-        }
-    }
-    let _ = write_uint(&mut b, u64::from(dp_rank));
-    b
 }
 
 /// Rewrites `tcp://*:5557` for replica `index`: `*` becomes all interfaces, the port grows by
@@ -369,42 +274,6 @@ mod tests {
         assert_eq!(
             endpoint_for("tcp://127.0.0.1:5557", 0).unwrap(),
             ("tcp://127.0.0.1:5557".into(), false)
-        );
-    }
-
-    #[test]
-    fn batches_decode_as_vllm_shapes() {
-        let events = vec![
-            KvEvent::BlockStored {
-                block_hashes: vec![111, u64::MAX],
-                parent_block_hash: None,
-                token_ids: vec![1, 2],
-                block_size: 16,
-            },
-            KvEvent::BlockRemoved {
-                block_hashes: vec![99],
-            },
-            KvEvent::AllBlocksCleared,
-        ];
-        let v: rmpv::Value =
-            rmpv::decode::read_value(&mut &encode_batch(1.5, &events, 0, false)[..]).unwrap();
-        let text = v.to_string();
-        assert!(text.starts_with("[1.5, [{\"type\": \"BlockStored\", \"block_hashes\": [111, 18446744073709551615], \"parent_block_hash\": nil, \"token_ids\": [1, 2], \"block_size\": 16, \"lora_id\": nil, \"medium\": \"GPU\", \"lora_name\": nil}"), "{text}");
-        assert!(
-            text.contains(
-                "{\"type\": \"BlockRemoved\", \"block_hashes\": [99], \"medium\": \"GPU\"}"
-            ),
-            "{text}"
-        );
-        assert!(
-            text.ends_with("{\"type\": \"AllBlocksCleared\"}], 0]"),
-            "{text}"
-        );
-        let legacy: rmpv::Value =
-            rmpv::decode::read_value(&mut &encode_batch(1.5, &events, 0, true)[..]).unwrap();
-        assert_eq!(
-            legacy.to_string(),
-            "[1.5, [[\"BlockStored\", [111, 18446744073709551615], nil, [1, 2], 16, nil, \"GPU\"], [\"BlockRemoved\", [99], \"GPU\"], [\"AllBlocksCleared\"]], 0]"
         );
     }
 }

@@ -5,7 +5,7 @@
 //! prompt  = render_chat(messages)  (every message, in order, Llama-3 template)   chat
 //!         | <|begin_of_text|> + prompt text  | prompt token ids                  completions
 //! tokens  = Tokenizer(prompt[..cut])          cut = max_hashed_tokens × MAX_BYTES_PER_TOKEN bytes
-//! seed    = xxh3(model, hash_seed)
+//! seed    = xxh3(model, hash_seed)          (hash_seed alone to match the simulator's KV events)
 //! extra   = cache_salt (LoRA adapters are served under their own model name, so the model covers them)
 //! blocks  = BlockHasher(block_tokens, seed).hash_all(tokens[..min(n, max_hashed_tokens)], extra)
 //! prompt_tokens = n                          when the whole prompt was tokenized
@@ -63,6 +63,10 @@ pub struct InspectConfig {
     pub max_hashed_tokens: u32,
     /// Seed mixed into every chain.
     pub hash_seed: u64,
+    /// Mix the model name into the seed (headroom's own chain, so models never share blocks);
+    /// off to compute exactly the hashes headroom's simulator publishes in its KV events, which
+    /// seeds with `hash_seed` alone.
+    pub model_in_seed: bool,
 }
 
 impl Default for InspectConfig {
@@ -71,6 +75,7 @@ impl Default for InspectConfig {
             block_tokens: 16,
             max_hashed_tokens: 32_768,
             hash_seed: 0,
+            model_in_seed: true,
         }
     }
 }
@@ -183,10 +188,14 @@ pub fn inspect(
         }
         Rendered::Text(text) => tokens_of(&text, max),
     };
-    let seed = xxh3_64_with_seed(
-        params.model.as_deref().unwrap_or("").as_bytes(),
-        cfg.hash_seed,
-    );
+    let seed = if cfg.model_in_seed {
+        xxh3_64_with_seed(
+            params.model.as_deref().unwrap_or("").as_bytes(),
+            cfg.hash_seed,
+        )
+    } else {
+        cfg.hash_seed
+    };
     let hasher = BlockHasher::new(cfg.block_tokens.max(1) as usize, seed);
     let extra = params.cache_salt.as_deref().unwrap_or("").as_bytes();
     let blocks = hasher.hash_all(&tokens, extra);

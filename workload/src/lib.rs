@@ -5,6 +5,7 @@ pub mod blocks;
 pub mod capacity;
 pub mod engine_metrics;
 pub mod inspect;
+pub mod kv_events;
 pub mod measure;
 pub mod openai;
 pub mod profile;

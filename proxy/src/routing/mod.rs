@@ -6,7 +6,7 @@
 //! ```text
 //! cost(b) = recompute_weight · (prompt_tokens − matched_tokens(b))   uncached prefill it brings
 //!         + pending_prefill_tokens(b)                       prefill already queued on b
-//!         + decode_weight · decoding(b)                     sequences decoding on b
+//!         + decode_weight · (decoding(b) + foreign(b))      sequences decoding on b
 //! pick    = argmin cost(b) over healthy b; ties broken by rendezvous hash of the leading block
 //! ```
 //!
@@ -15,6 +15,7 @@
 //! | `matched_tokens(b)` | leading blocks of the prompt the prefix index says b holds × block tokens, at most prompt − 1 | |
 //! | `pending_prefill_tokens(b)` | uncached prompt tokens of requests sent to b that have not produced a first token (counted by the proxy) | |
 //! | `decoding(b)` | requests on b past their first token (counted by the proxy) | |
+//! | `foreign(b)` | requests other proxies have on b: the engine's running + waiting minus this proxy's own in flight at the last scrape (only with `routing.foreign_load`) | 0 |
 //! | `recompute_weight` | how much a token of prefill the request brings counts against a token already queued: 1 minimises this request's own wait; above 1 also charges the recomputation to the requests that will queue behind it | 2 |
 //! | `decode_weight` | tokens of prefill one decoding sequence is worth per scheduling decision: its per-step KV read at ~2k context costs about what prefilling 5–10 tokens does on an 8B model | 8 |
 //!
@@ -23,10 +24,12 @@
 //! replicas when its replica's queue costs more than recomputing it there. Cold prompts (no match
 //! anywhere) go to the least-loaded replica, with ties spread by hash instead of always the first.
 
+pub mod kv_index;
 pub mod policy;
 pub mod prefix_index;
 
-pub use policy::{ConsistentHash, LeastLoad, PrefixAffinity, RoundRobin, Session};
+pub use kv_index::{KvIndex, StreamState};
+pub use policy::{ConsistentHash, KvEvents, LeastLoad, PrefixAffinity, RoundRobin, Session};
 pub use prefix_index::PrefixIndex;
 
 use headroom_workload::BlockHash;
@@ -49,6 +52,9 @@ pub struct BackendView {
     pub pending_prefill_tokens: u64,
     /// Its in-flight requests past their first token.
     pub decoding: u32,
+    /// Requests other proxies have on it (estimated from its scraped gauges; 0 unless
+    /// `routing.foreign_load`).
+    pub foreign: u32,
 }
 
 /// What routing knows about the request.

@@ -7,11 +7,16 @@
 //! | `least_load` | fewest requests in flight; ties by rendezvous hash of the request |
 //! | `session` | rendezvous hash of the session key over healthy replicas (stable when others come and go); no key: least load |
 //! | `consistent_hash` | walk a hash ring (`VNODES` points per replica) from the request's key and take the first replica whose in-flight count is under `ceil(c · (total + 1) / healthy)`, c = `BOUND` (Mirrokni et al., consistent hashing with bounded loads): proxies that share nothing agree on most picks |
-//! | `prefix_affinity` | argmin of the token cost over healthy replicas |
+//! | `prefix_affinity` | argmin of the token cost over healthy replicas, matched depths from the approximate index |
+//! | `kv_events` | the same cost, matched depths from the engines' KV events (kv_index.rs), falling back per replica to the approximate index |
 
-use std::sync::Mutex;
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::Instant;
 
+use headroom_workload::BlockHash;
+
+use super::kv_index::{KvIndex, StreamState};
 use super::{
     BackendId, BackendView, NoBackend, Pick, PrefixIndex, RouteRequest, RoutingPolicy, healthy,
     rendezvous,
@@ -70,7 +75,7 @@ impl RoutingPolicy for LeastLoad {
 
     fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
         let h = healthy(fleet)?;
-        let b = least_loaded_by(&h, req.hash_key(), |b| f64::from(b.in_flight));
+        let b = least_loaded_by(&h, req.hash_key(), |b| f64::from(b.in_flight + b.foreign));
         Ok(Pick {
             backend: b.id,
             matched_tokens: 0,
@@ -175,7 +180,26 @@ impl PrefixAffinity {
     pub fn cost(&self, req: &RouteRequest<'_>, b: &BackendView, matched: u32) -> f64 {
         self.recompute_weight * f64::from(req.prompt_tokens - matched.min(req.prompt_tokens))
             + b.pending_prefill_tokens as f64
-            + self.decode_weight * f64::from(b.decoding)
+            + self.decode_weight * f64::from(b.decoding + b.foreign)
+    }
+
+    /// The healthy replica of least cost, given how many leading blocks each one holds.
+    pub fn pick(
+        &self,
+        req: &RouteRequest<'_>,
+        fleet: &[BackendView],
+        depth: impl Fn(BackendId) -> usize,
+    ) -> Result<Pick, NoBackend> {
+        let h = healthy(fleet)?;
+        let cap = req.prompt_tokens.saturating_sub(1);
+        let matched = |b: &BackendView| -> u32 {
+            (depth(b.id) as u64 * u64::from(req.block_tokens)).min(u64::from(cap)) as u32
+        };
+        let best = least_loaded_by(&h, req.hash_key(), |b| self.cost(req, b, matched(b)));
+        Ok(Pick {
+            backend: best.id,
+            matched_tokens: matched(best),
+        })
     }
 }
 
@@ -185,18 +209,9 @@ impl RoutingPolicy for PrefixAffinity {
     }
 
     fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
-        let h = healthy(fleet)?;
         let depths = self.with_index(|ix| ix.overlaps(req.blocks));
-        let cap = req.prompt_tokens.saturating_sub(1);
-        let matched = |b: &BackendView| -> u32 {
-            depths.iter().find(|(r, _)| *r == b.id).map_or(0, |(_, d)| {
-                (*d as u64 * u64::from(req.block_tokens)).min(u64::from(cap)) as u32
-            })
-        };
-        let best = least_loaded_by(&h, req.hash_key(), |b| self.cost(req, b, matched(b)));
-        Ok(Pick {
-            backend: best.id,
-            matched_tokens: matched(best),
+        self.pick(req, fleet, |id| {
+            depths.iter().find(|(r, _)| *r == id).map_or(0, |(_, d)| *d)
         })
     }
 
@@ -206,6 +221,74 @@ impl RoutingPolicy for PrefixAffinity {
 
     fn set_capacity(&self, backend: BackendId, blocks: usize) {
         self.with_index(|ix| ix.set_capacity(backend, blocks));
+    }
+}
+
+/// Prefix affinity fed by the engines' KV events: the same cost as [`PrefixAffinity`], with each
+/// replica's matched depth from the exact index while its stream is live, the larger of the exact
+/// and approximate depths while it is partial, and the approximate index alone while it is
+/// missing or stale. The approximate index keeps learning from every dispatch, so a fallback
+/// starts warm.
+#[derive(Debug)]
+pub struct KvEvents {
+    approx: PrefixAffinity,
+    exact: Arc<Mutex<KvIndex>>,
+}
+
+impl KvEvents {
+    /// A policy over `exact` (which the event subscribers fill) and the cost weights of `approx`.
+    pub fn new(approx: PrefixAffinity, exact: Arc<Mutex<KvIndex>>) -> Self {
+        Self { approx, exact }
+    }
+
+    /// The exact index.
+    pub fn exact(&self) -> &Arc<Mutex<KvIndex>> {
+        &self.exact
+    }
+
+    /// Each replica's matched depth and state at `now`.
+    pub fn depths(&self, blocks: &[BlockHash], now: Instant) -> Vec<(usize, StreamState)> {
+        let approx = self.approx.with_index(|ix| ix.overlaps(blocks));
+        let ix = self.exact.lock().unwrap_or_else(|e| e.into_inner());
+        let exact = ix.depths(blocks, now);
+        exact
+            .into_iter()
+            .enumerate()
+            .map(|(id, e)| {
+                let a = approx.iter().find(|(r, _)| *r == id).map_or(0, |(_, d)| *d);
+                let state = ix.state(id, now);
+                let d = match state {
+                    StreamState::Live => e,
+                    StreamState::Partial => e.max(a),
+                    StreamState::Stale | StreamState::Missing => a,
+                };
+                (d, state)
+            })
+            .collect()
+    }
+}
+
+impl RoutingPolicy for KvEvents {
+    fn name(&self) -> &'static str {
+        "kv_events"
+    }
+
+    fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
+        let depths = self.depths(req.blocks, Instant::now());
+        self.approx
+            .pick(req, fleet, |id| depths.get(id).map_or(0, |(d, _)| *d))
+    }
+
+    fn record(&self, req: &RouteRequest<'_>, pick: &Pick) {
+        self.approx.record(req, pick);
+        self.exact
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .note_dispatch(pick.backend, req.blocks, Instant::now());
+    }
+
+    fn set_capacity(&self, backend: BackendId, blocks: usize) {
+        self.approx.set_capacity(backend, blocks);
     }
 }
 
@@ -222,6 +305,7 @@ mod tests {
                 in_flight: 0,
                 pending_prefill_tokens: 0,
                 decoding: 0,
+                foreign: 0,
             })
             .collect()
     }
@@ -407,5 +491,52 @@ mod tests {
             seen.insert(p.select(&req(&[k], 16), &f).unwrap().backend);
         }
         assert_eq!(seen.len(), 4, "cold prompts spread over an idle fleet");
+    }
+
+    #[test]
+    fn kv_events_trusts_a_live_stream_and_falls_back_when_it_goes_missing() {
+        use headroom_workload::kv_events::KvEvent;
+        use std::time::Duration;
+        let exact = Arc::new(Mutex::new(KvIndex::new(
+            2,
+            Duration::from_secs(10),
+            Duration::from_secs(5),
+        )));
+        let p = KvEvents::new(PrefixAffinity::default(), exact.clone());
+        let blocks = [1, 2, 3, 4];
+        {
+            let mut ix = exact.lock().unwrap();
+            for r in 0..2 {
+                ix.set_connected(r, true);
+                ix.apply(r, 0, &[]);
+            }
+            // The engine of replica 0 holds the prefix.
+            ix.apply(
+                0,
+                1,
+                &[KvEvent::BlockStored {
+                    block_hashes: blocks.to_vec(),
+                    parent_block_hash: None,
+                    token_ids: vec![],
+                    block_size: 16,
+                }],
+            );
+        }
+        // The proxy's own history says replica 1 (it sent the prefix there, and the engine
+        // evicted it since: the approximate index cannot know).
+        p.approx.with_index(|ix| ix.record(1, &blocks));
+        let f = fleet(2);
+        let pick = p.select(&req(&blocks, 80), &f).unwrap();
+        assert_eq!((pick.backend, pick.matched_tokens), (0, 64));
+        // Without replica 0's stream, the history is all there is.
+        exact.lock().unwrap().set_connected(0, false);
+        assert_eq!(p.select(&req(&blocks, 80), &f).unwrap().backend, 1);
+        // Sending a new prefix makes the next request with it follow, before any event.
+        exact.lock().unwrap().set_connected(0, true);
+        let fresh = [9, 10];
+        let first = p.select(&req(&fresh, 40), &f).unwrap();
+        p.record(&req(&fresh, 40), &first);
+        let second = p.select(&req(&fresh, 40), &f).unwrap();
+        assert_eq!((second.backend, second.matched_tokens), (first.backend, 32));
     }
 }

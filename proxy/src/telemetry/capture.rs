@@ -517,7 +517,7 @@ mod tests {
         let routing = InspectConfig {
             block_tokens: 16,
             max_hashed_tokens: 64,
-            hash_seed: 0,
+            ..InspectConfig::default()
         };
         let shared: String = (0..1099)
             .map(headroom_workload::words::spaced_word)

@@ -87,6 +87,28 @@ pub struct Metrics {
     pub client_aborts: IntCounterVec,
     backend: BackendGauges,
     last: Mutex<Vec<BackendTotals>>,
+    /// KV event stream counters, by backend.
+    pub kv_events: KvEventCounters,
+}
+
+/// Counters and gauges of the engines' KV event streams.
+#[derive(Debug)]
+pub struct KvEventCounters {
+    /// Batches applied to the exact index.
+    pub batches: IntCounterVec,
+    /// Gaps in sequence numbers.
+    pub gaps: IntCounterVec,
+    /// Gaps nothing filled (the replica's picture was cleared and is partial).
+    pub losses: IntCounterVec,
+    /// Engine restarts seen (sequence numbers going back).
+    pub restarts: IntCounterVec,
+    /// Messages that could not be decoded.
+    pub decode_errors: IntCounterVec,
+    /// Replay requests, by result (`filled`, `short`: the buffer no longer reached back far
+    /// enough, `failed`).
+    pub replays: IntCounterVec,
+    state: FloatGaugeVec,
+    blocks: FloatGaugeVec,
 }
 
 #[derive(Debug)]
@@ -378,6 +400,50 @@ impl Metrics {
                 ),
             },
             last: Mutex::new(Vec::new()),
+            kv_events: KvEventCounters {
+                batches: counter(
+                    "headroom_kv_events_batches_total",
+                    "KV event batches applied to the exact prefix index.",
+                    &["backend"],
+                ),
+                gaps: counter(
+                    "headroom_kv_events_gaps_total",
+                    "Gaps in a replica's KV event sequence numbers.",
+                    &["backend"],
+                ),
+                losses: counter(
+                    "headroom_kv_events_losses_total",
+                    "KV event gaps the replay could not fill (the replica's picture restarted, partial).",
+                    &["backend"],
+                ),
+                restarts: counter(
+                    "headroom_kv_events_restarts_total",
+                    "Engine restarts seen in a replica's KV event stream.",
+                    &["backend"],
+                ),
+                decode_errors: counter(
+                    "headroom_kv_events_decode_errors_total",
+                    "KV event messages that could not be decoded.",
+                    &["backend"],
+                ),
+                replays: counter(
+                    "headroom_kv_events_replays_total",
+                    "KV event replay requests, by result (filled, short, failed).",
+                    &["backend", "result"],
+                ),
+                state: FloatGaugeVec::new(
+                    Opts::new(
+                        "headroom_kv_events_state",
+                        "1 for the state of a replica's KV event stream (live, partial, stale, missing); routing uses the exact index only when live.",
+                    ),
+                    &["backend", "state"],
+                )
+                .expect("valid metric"),
+                blocks: fgauge(
+                    "headroom_kv_events_blocks",
+                    "Distinct blocks a replica's engine reports holding.",
+                ),
+            },
         };
         let r = &m.registry;
         let b = &m.backend;
@@ -427,6 +493,14 @@ impl Metrics {
             Box::new(b.prefix_queries.clone()),
             Box::new(b.prefix_hits.clone()),
             Box::new(b.prefix_hit_ratio.clone()),
+            Box::new(m.kv_events.batches.clone()),
+            Box::new(m.kv_events.gaps.clone()),
+            Box::new(m.kv_events.losses.clone()),
+            Box::new(m.kv_events.restarts.clone()),
+            Box::new(m.kv_events.decode_errors.clone()),
+            Box::new(m.kv_events.replays.clone()),
+            Box::new(m.kv_events.state.clone()),
+            Box::new(m.kv_events.blocks.clone()),
         ];
         for c in all {
             r.register(c).expect("unique metric names");
@@ -537,6 +611,24 @@ impl Metrics {
                 .queued
                 .with_label_values(&[&class])
                 .set(n as f64);
+        }
+    }
+
+    /// Sets the KV event stream gauges from the exact index.
+    pub fn refresh_kv_events(&self, fleet: &Fleet, index: &crate::routing::KvIndex) {
+        let now = std::time::Instant::now();
+        for b in &fleet.backends {
+            let state = index.state(b.id, now);
+            for s in crate::routing::StreamState::ALL {
+                self.kv_events
+                    .state
+                    .with_label_values(&[b.name.as_str(), s.name()])
+                    .set(if s == state { 1.0 } else { 0.0 });
+            }
+            self.kv_events
+                .blocks
+                .with_label_values(&[b.name.as_str()])
+                .set(index.held(b.id) as f64);
         }
     }
 

@@ -109,11 +109,13 @@ pub async fn scrape_loop(
             let Ok(text) = resp.text().await else {
                 return;
             };
+            let own_in_flight = b.load().in_flight;
             let gauges = EngineGauges::parse(&text);
             on_scrape(&b, &gauges);
             *b.engine.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
                 gauges,
                 at: Some(Instant::now()),
+                own_in_flight,
             };
         },
     )

@@ -8,6 +8,7 @@
 //! than `max_ejected_fraction` of the fleet. Routing sees a replica as healthy when both agree.
 
 pub mod health;
+pub mod kv_events;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -68,6 +69,23 @@ pub struct Scraped {
     pub gauges: EngineGauges,
     /// When the last scrape succeeded.
     pub at: Option<Instant>,
+    /// Requests this proxy had in flight to the replica when the scrape answered.
+    pub own_in_flight: u32,
+}
+
+impl Scraped {
+    /// Requests the engine holds that this proxy did not send (other proxies' work): its running
+    /// and waiting gauges minus this proxy's own in-flight count at the scrape, never negative.
+    pub fn foreign(&self) -> u32 {
+        let g = &self.gauges;
+        match (g.running, g.waiting) {
+            (None, None) => 0,
+            (r, w) => {
+                let engine = r.unwrap_or(0.0) + w.unwrap_or(0.0);
+                (engine - f64::from(self.own_in_flight)).max(0.0).round() as u32
+            }
+        }
+    }
 }
 
 /// A snapshot of a replica's load, for metrics.
@@ -211,6 +229,8 @@ pub struct Fleet {
     pub backends: Vec<Arc<Backend>>,
     health: HealthConfig,
     epoch: Instant,
+    /// Whether routing views count other proxies' work on each replica ([`Scraped::foreign`]).
+    pub count_foreign: bool,
 }
 
 impl Fleet {
@@ -225,6 +245,7 @@ impl Fleet {
             backends,
             health,
             epoch: Instant::now(),
+            count_foreign: false,
         })
     }
 
@@ -255,6 +276,11 @@ impl Fleet {
                     in_flight: l.in_flight,
                     pending_prefill_tokens: l.pending_prefill_tokens,
                     decoding: l.decoding,
+                    foreign: if self.count_foreign {
+                        b.engine.lock().unwrap_or_else(|e| e.into_inner()).foreign()
+                    } else {
+                        0
+                    },
                 }
             })
             .collect()
@@ -312,12 +338,31 @@ mod tests {
 
     fn fleet(n: usize, health: HealthConfig) -> Fleet {
         let cfgs: Vec<BackendConfig> = (0..n)
-            .map(|i| BackendConfig {
-                url: format!("http://127.0.0.1:{}", 9000 + i),
-                name: None,
-            })
+            .map(|i| BackendConfig::at(&format!("http://127.0.0.1:{}", 9000 + i)))
             .collect();
         Fleet::new(&cfgs, health).unwrap()
+    }
+
+    #[test]
+    fn foreign_work_is_the_engines_count_beyond_our_own() {
+        let scraped = |running, waiting, own| Scraped {
+            gauges: EngineGauges {
+                running,
+                waiting,
+                ..EngineGauges::default()
+            },
+            at: None,
+            own_in_flight: own,
+        };
+        assert_eq!(scraped(Some(7.0), Some(2.0), 4).foreign(), 5);
+        // Our requests may be counted by us before the engine sees them: never negative.
+        assert_eq!(scraped(Some(1.0), Some(0.0), 3).foreign(), 0);
+        assert_eq!(scraped(None, None, 0).foreign(), 0);
+        let mut f = fleet(2, HealthConfig::default());
+        *f.backends[1].engine.lock().unwrap() = scraped(Some(6.0), None, 0);
+        assert_eq!(f.views()[1].foreign, 0, "off unless asked for");
+        f.count_foreign = true;
+        assert_eq!(f.views()[1].foreign, 6);
     }
 
     #[test]
@@ -394,10 +439,7 @@ mod tests {
     #[test]
     fn unresolvable_backends_are_named() {
         let err = Fleet::new(
-            &[BackendConfig {
-                url: "http://no-such-host.invalid:1".into(),
-                name: None,
-            }],
+            &[BackendConfig::at("http://no-such-host.invalid:1")],
             HealthConfig::default(),
         )
         .unwrap_err();
