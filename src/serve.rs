@@ -31,6 +31,9 @@ pub struct ServeArgs {
     /// kv_events policy.
     #[arg(long, value_name = "ENDPOINT,…", value_delimiter = ',')]
     kv_events: Vec<String>,
+    /// The engines' KV event replay endpoints, one per backend in order (fills gaps in the stream).
+    #[arg(long, value_name = "ENDPOINT,…", value_delimiter = ',')]
+    kv_events_replay: Vec<String>,
 }
 
 impl ServeArgs {
@@ -58,16 +61,27 @@ impl ServeArgs {
         if !self.backends.is_empty() {
             cfg.backends = self.backends.iter().map(|u| BackendConfig::at(u)).collect();
         }
-        if !self.kv_events.is_empty() {
-            if self.kv_events.len() != cfg.backends.len() {
+        for (flag, list, replay) in [
+            ("--kv-events", &self.kv_events, false),
+            ("--kv-events-replay", &self.kv_events_replay, true),
+        ] {
+            if list.is_empty() {
+                continue;
+            }
+            if list.len() != cfg.backends.len() {
                 anyhow::bail!(
-                    "--kv-events lists {} endpoints for {} backends: give one per backend, in order",
-                    self.kv_events.len(),
+                    "{flag} lists {} endpoints for {} backends: give one per backend, in order",
+                    list.len(),
                     cfg.backends.len()
                 );
             }
-            for (b, ep) in cfg.backends.iter_mut().zip(&self.kv_events) {
-                b.kv_events = Some(ep.clone());
+            for (b, ep) in cfg.backends.iter_mut().zip(list) {
+                let slot = if replay {
+                    &mut b.kv_events_replay
+                } else {
+                    &mut b.kv_events
+                };
+                *slot = Some(ep.clone());
             }
         }
         cfg.validated().map_err(|errors| {

@@ -70,10 +70,22 @@ pub struct ServeConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct KvEventsConfig {
     /// How the engine hashes blocks, so request-side hashes equal the ones it publishes:
-    /// `headroom` (headroom's simulator: xxh3 chain seeded with `hash_seed`).
+    /// `headroom` (headroom's simulator: xxh3 chain seeded with `hash_seed`) or
+    /// `vllm_sha256_cbor` (vLLM started with `--prefix-caching-hash-algo sha256_cbor`).
     pub hash: String,
-    /// The engine's hash seed (the simulator's `--hash-seed`).
+    /// The simulator's `--hash-seed` (`headroom`).
     pub hash_seed: u64,
+    /// The vLLM engine's `PYTHONHASHSEED`; absent when unset there (vLLM ≥ 0.29 then uses a fixed
+    /// default; older versions draw a random one that cannot be matched).
+    pub python_hash_seed: Option<String>,
+    /// How vLLM keys `cache_salt` into the first block: `tagged` (vLLM ≥ 0.31) or `plain`
+    /// (0.10.2–0.30).
+    pub salt_keys: String,
+    /// The model's `tokenizer.json` (`vllm_sha256_cbor`); `tokenizer_config.json` beside it gives
+    /// the chat template and special tokens.
+    pub tokenizer: Option<String>,
+    /// The chat template the engine uses, when not the tokenizer's own (its `--chat-template`).
+    pub chat_template: Option<String>,
     /// Topic prefix subscribed to (the engine's `topic`; empty takes every message).
     pub topic: String,
     /// How long a sent request's new blocks count as held before the engine reports them.
@@ -85,13 +97,17 @@ pub struct KvEventsConfig {
 }
 
 /// Block hash schemes the proxy can compute the way the engine does.
-pub const KV_HASHES: &[&str] = &["headroom"];
+pub const KV_HASHES: &[&str] = &["headroom", "vllm_sha256_cbor"];
 
 impl Default for KvEventsConfig {
     fn default() -> Self {
         Self {
             hash: "headroom".into(),
             hash_seed: 0,
+            python_hash_seed: None,
+            salt_keys: "tagged".into(),
+            tokenizer: None,
+            chat_template: None,
             topic: String::new(),
             pending_ttl_ms: 10_000,
             stale_after_ms: 5_000,

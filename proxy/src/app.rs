@@ -261,8 +261,14 @@ impl Headroom {
         // A body the inspector cannot read still goes to an engine, whose own error is the
         // authoritative one; it is routed without prefix information.
         let inspected = inspect(endpoint, &body, &self.inspect).ok();
-        if inspected.is_none() {
-            self.metrics.uninspectable.inc();
+        match &inspected {
+            None => self.metrics.uninspectable.inc(),
+            Some(i) => {
+                if let Some(e) = &i.engine_error {
+                    self.metrics.engine_tokens_failed.inc();
+                    tracing::debug!("the engine's tokens could not be made: {e}");
+                }
+            }
         }
         let header = |name: &str| {
             session

@@ -240,7 +240,7 @@ impl Headroom {
             .map(|(endpoint, body)| crate::telemetry::capture::Rehash {
                 endpoint,
                 body,
-                inspect: self.inspect,
+                inspect: self.inspect.clone(),
             });
         capture.submit(Pending {
             rehash,

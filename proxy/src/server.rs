@@ -11,7 +11,9 @@ use axum::http::StatusCode;
 use axum::response::IntoResponse;
 use axum::routing::get;
 use headroom_config::serve::ServeConfig;
-use headroom_workload::inspect::InspectConfig;
+use headroom_workload::engine_tokenizer::EngineTokenizer;
+use headroom_workload::inspect::{Chain, InspectConfig, VllmChain};
+use headroom_workload::vllm_hash::{SaltKeys, VllmHasher};
 use pingora::apps::ServerApp;
 use pingora::connectors::http::Connector;
 use pingora::server::configuration::ServerConf;
@@ -131,19 +133,46 @@ pub fn build_policy(cfg: &ServeConfig) -> (Arc<dyn RoutingPolicy>, Option<Arc<Mu
 }
 
 /// How requests are hashed: the engine's own chain under `kv_events` (so request-side hashes
-/// equal the ones the engine publishes), headroom's model-seeded chain otherwise.
-pub fn inspect_config(cfg: &ServeConfig) -> InspectConfig {
-    let engine = cfg.routing.policy == "kv_events";
-    InspectConfig {
+/// equal the ones the engine publishes), headroom's model-seeded chain otherwise. Loads the
+/// model's tokenizer for vLLM's chain.
+pub fn inspect_config(cfg: &ServeConfig) -> Result<InspectConfig, ServeError> {
+    let k = &cfg.kv_events;
+    let events = cfg.routing.policy == "kv_events";
+    let chain = match k.hash.as_str() {
+        _ if !events => Chain::Headroom,
+        "vllm_sha256_cbor" => {
+            let path = k.tokenizer.as_deref().unwrap_or_default();
+            let tokenizer = EngineTokenizer::load(
+                std::path::Path::new(path),
+                k.chat_template.as_deref().map(std::path::Path::new),
+            )
+            .map_err(|e| ServeError::Config(format!("kv_events.tokenizer: {e}")))?;
+            let salt = if k.salt_keys == "plain" {
+                SaltKeys::Plain
+            } else {
+                SaltKeys::Tagged
+            };
+            Chain::Vllm(Arc::new(VllmChain {
+                tokenizer,
+                hasher: VllmHasher::new(
+                    cfg.routing.block_tokens as usize,
+                    k.python_hash_seed.as_deref(),
+                    salt,
+                ),
+            }))
+        }
+        _ => Chain::Sim,
+    };
+    Ok(InspectConfig {
         block_tokens: cfg.routing.block_tokens,
         max_hashed_tokens: cfg.routing.max_hashed_tokens,
-        hash_seed: if engine {
-            cfg.kv_events.hash_seed
+        hash_seed: if events {
+            k.hash_seed
         } else {
             cfg.routing.hash_seed
         },
-        model_in_seed: !engine,
-    }
+        chain,
+    })
 }
 
 /// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
@@ -184,7 +213,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         metrics: metrics.clone(),
         connector: Connector::new(None),
         cfg: cfg.clone(),
-        inspect: inspect_config(&cfg),
+        inspect: inspect_config(&cfg)?,
         http: http.clone(),
         stats: stats.clone(),
         capture: capture.clone(),

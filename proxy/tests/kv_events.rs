@@ -7,11 +7,14 @@ mod common;
 
 use std::time::{Duration, Instant};
 
+use bytes::Bytes;
 use common::{MODEL, sim};
 use headroom_config::serve::{BackendConfig, ServeConfig};
 use headroom_proxy::ServeHandle;
 use headroom_sim::RunningReplica;
+use headroom_workload::kv_events::{KvEvent, encode_batch};
 use serde_json::{Value, json};
+use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
 fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
@@ -65,7 +68,7 @@ async fn kv_proxy(replicas: &[(&RunningReplica, Ports)]) -> ServeHandle {
         .unwrap()
 }
 
-/// A prompt of `words` shared words and a distinct tail.
+/// The shared text followed by a distinct tail.
 fn prompt(shared: &str, tail: u32) -> String {
     format!("{shared} tail{tail}")
 }
@@ -144,6 +147,15 @@ async fn a_late_proxy_learns_the_cache_from_the_replay_and_routes_to_its_holder(
     let s = kv_stats(&h).await;
     assert_eq!(s[1]["losses"], 0);
     assert_eq!(s[0]["blocks"], 0);
+    // The requests matched the engine's blocks (so the proxy hashed them as the engine did),
+    // rather than landing on b by a tie-break.
+    let metrics = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    let matched: f64 = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("headroom_routed_matched_tokens_total "))
+        .and_then(|v| v.parse().ok())
+        .unwrap();
+    assert!(matched >= 6.0 * 256.0, "{matched}");
     h.shutdown().await;
 }
 
@@ -170,6 +182,7 @@ async fn a_cleared_replica_stops_attracting_its_prefix_within_a_second() {
         .await
         .unwrap();
     let took = wait_for(&h, Duration::from_secs(1), |s| s[0]["blocks"] == 0).await;
+    println!("the proxy forgot the cleared replica's blocks {took:?} after the reset");
     assert!(took < Duration::from_secs(1), "{took:?}");
     assert_eq!(kv_stats(&h).await[0]["clears"], 1);
     // From now on the prefix goes where it is still cached.
@@ -245,6 +258,10 @@ async fn a_restarted_replica_is_forgotten_at_its_first_event() {
         .await;
         tokio::time::sleep(Duration::from_millis(100)).await;
         if kv_stats(&h).await[0]["restarts"] == 1 {
+            println!(
+                "restart seen {:?} after sending the request that revealed it",
+                sent.elapsed()
+            );
             assert!(sent.elapsed() < Duration::from_secs(1));
             break;
         }
@@ -255,5 +272,264 @@ async fn a_restarted_replica_is_forgotten_at_its_first_event() {
             name(&b)
         );
     }
+    h.shutdown().await;
+}
+
+/// A stand-in engine's event sockets: the test publishes batches itself and answers the proxy's
+/// replay requests.
+struct FakeEngine {
+    publisher: zeromq::PubSocket,
+    router: zeromq::RouterSocket,
+}
+
+fn seq_frame(seq: u64) -> Bytes {
+    Bytes::copy_from_slice(&seq.to_be_bytes())
+}
+
+impl FakeEngine {
+    async fn bind(ports: Ports) -> Self {
+        let mut e = Self {
+            publisher: zeromq::PubSocket::new(),
+            router: zeromq::RouterSocket::new(),
+        };
+        e.publisher
+            .bind(&format!("tcp://127.0.0.1:{}", ports.events))
+            .await
+            .unwrap();
+        e.router
+            .bind(&format!("tcp://127.0.0.1:{}", ports.replay))
+            .await
+            .unwrap();
+        e
+    }
+
+    async fn publish(&mut self, seq: u64, payload: Bytes) {
+        let mut m = ZmqMessage::from(Bytes::new());
+        m.push_back(seq_frame(seq));
+        m.push_back(payload);
+        self.publisher.send(m).await.unwrap();
+    }
+
+    /// Waits up to `limit` for a replay request: the requester's id and the start asked for.
+    async fn request(&mut self, limit: Duration) -> Option<(Bytes, u64)> {
+        let request = tokio::time::timeout(limit, self.router.recv())
+            .await
+            .ok()?
+            .unwrap()
+            .into_vec();
+        let start = u64::from_be_bytes(request.last().unwrap()[..].try_into().unwrap());
+        Some((request[0].clone(), start))
+    }
+
+    /// Answers a replay request with the batches at or after its start.
+    async fn reply(&mut self, (id, start): (Bytes, u64), batches: &[(u64, Bytes)]) {
+        for (s, payload) in batches.iter().filter(|(s, _)| *s >= start) {
+            let mut m = ZmqMessage::from(id.clone());
+            m.push_back(Bytes::new());
+            m.push_back(seq_frame(*s));
+            m.push_back(payload.clone());
+            self.router.send(m).await.unwrap();
+        }
+        let mut end = ZmqMessage::from(id);
+        end.push_back(Bytes::new());
+        end.push_back(seq_frame(u64::MAX));
+        end.push_back(Bytes::new());
+        self.router.send(end).await.unwrap();
+    }
+}
+
+/// A stand-in engine: the test publishes batches itself (vLLM's positional format) and answers the
+/// proxy's replay requests, to drive the subscriber through a late join with live copies of
+/// replayed batches, a gap the replay fills, and a gap it cannot.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn replays_fill_gaps_and_duplicates_are_not_restarts() {
+    // Each batch stores one block of its own, so a complete picture holds next_seq blocks.
+    fn batch(seq: u64) -> Bytes {
+        let stored = KvEvent::BlockStored {
+            block_hashes: vec![1000 + seq],
+            parent_block_hash: None,
+            token_ids: vec![0; 16],
+            block_size: 16,
+        };
+        Bytes::from(encode_batch(seq as f64, &[stored], 0, true))
+    }
+    let batches = |seqs: &[u64]| seqs.iter().map(|&s| (s, batch(s))).collect::<Vec<_>>();
+    let ports = Ports::new();
+    let mut e = FakeEngine::bind(ports).await;
+    let replica = sim(5, 1, &[]).await;
+    let h = kv_proxy(&[(&replica, ports)]).await;
+    let next_seq = async |h: &ServeHandle| kv_stats(h).await[0]["next_seq"].as_u64();
+
+    // The proxy joins and asks for everything from 0. Batches 0–2 go out live while it waits, so
+    // (once its subscription is through) their live copies arrive after the replay applied them.
+    let first = e
+        .request(Duration::from_secs(5))
+        .await
+        .expect("the proxy asks for a replay");
+    assert_eq!(first.1, 0);
+    for s in 0..3 {
+        e.publish(s, batch(s)).await;
+    }
+    e.reply(first, &batches(&[0, 1, 2])).await;
+    let mut last = 2;
+    // Publish until the proxy has heard one live batch, answering the replays that gaps trigger.
+    let start = Instant::now();
+    loop {
+        last += 1;
+        e.publish(last, batch(last)).await;
+        let seen = Instant::now();
+        while seen.elapsed() < Duration::from_millis(300) && next_seq(&h).await != Some(last + 1) {
+            if let Some(r) = e.request(Duration::from_millis(20)).await {
+                e.reply(r, &batches(&(0..=last).collect::<Vec<_>>())).await;
+            }
+        }
+        if next_seq(&h).await == Some(last + 1) {
+            break;
+        }
+        assert!(
+            start.elapsed() < Duration::from_secs(10),
+            "no live batch heard"
+        );
+    }
+    let k = &kv_stats(&h).await[0];
+    assert_eq!(k["restarts"], 0, "{k}");
+    assert_eq!(k["blocks"].as_u64(), Some(last + 1), "{k}");
+    assert_eq!(k["state"], "live", "{k}");
+
+    // A gap that the replay fills.
+    e.publish(last + 3, batch(last + 3)).await;
+    let r = e
+        .request(Duration::from_secs(5))
+        .await
+        .expect("a replay request");
+    assert_eq!(r.1, last + 1);
+    e.reply(r, &batches(&[last + 1, last + 2, last + 3])).await;
+    wait_for(&h, Duration::from_secs(5), |s| {
+        s[0]["next_seq"].as_u64() == Some(last + 4)
+    })
+    .await;
+    let k = &kv_stats(&h).await[0];
+    assert_eq!(
+        (
+            k["blocks"].as_u64(),
+            k["losses"].as_u64(),
+            k["state"].as_str()
+        ),
+        (Some(last + 4), Some(0), Some("live")),
+        "{k}"
+    );
+    let gaps = k["gaps"].as_u64().unwrap();
+    assert!(gaps >= 1);
+
+    // A gap the replay buffer no longer reaches: the picture restarts from there, partial.
+    let far = last + 7;
+    e.publish(far, batch(far)).await;
+    let r = e
+        .request(Duration::from_secs(5))
+        .await
+        .expect("a replay request");
+    assert_eq!(r.1, last + 4);
+    e.reply(r, &batches(&[far])).await;
+    wait_for(&h, Duration::from_secs(5), |s| {
+        s[0]["next_seq"].as_u64() == Some(far + 1)
+    })
+    .await;
+    let k = &kv_stats(&h).await[0];
+    assert_eq!(
+        (
+            k["blocks"].as_u64(),
+            k["losses"].as_u64(),
+            k["state"].as_str()
+        ),
+        (Some(1), Some(1), Some("partial")),
+        "{k}"
+    );
+    assert_eq!(k["restarts"], 0, "{k}");
+    h.shutdown().await;
+}
+
+/// vLLM's hashes end to end: a stand-in engine publishes the blocks vLLM would store for a chat
+/// prompt (the fixture's vectors, computed with transformers and cbor2), and the proxy, hashing
+/// the same request with the model's tokenizer and template, routes it there with those blocks
+/// matched.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn vllm_hashes_from_the_models_tokenizer_match_the_engines_events() {
+    let fixture = std::path::Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("../workload/tests/fixtures/engine-tokenizer");
+    let vectors: Vec<Value> =
+        serde_json::from_str(&std::fs::read_to_string(fixture.join("vectors.json")).unwrap())
+            .unwrap();
+    let v = &vectors[0];
+    let hashes: Vec<u64> = v["vllm_hashes_seed0"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|h| h.as_u64().unwrap())
+        .collect();
+
+    let ports = Ports::new();
+    let mut e = FakeEngine::bind(ports).await;
+    let (a, b) = (sim(5, 1, &[]).await, sim(5, 1, &[]).await);
+    let urls = [a.url(), b.url()];
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &urls, "kv_events");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.backends[1].kv_events = Some(format!("tcp://127.0.0.1:{}", ports.events));
+    cfg.backends[1].kv_events_replay = Some(format!("tcp://127.0.0.1:{}", ports.replay));
+    cfg.kv_events.hash = "vllm_sha256_cbor".into();
+    cfg.kv_events.python_hash_seed = Some("0".into());
+    cfg.kv_events.tokenizer = Some(fixture.join("tokenizer.json").display().to_string());
+    let h = headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap();
+
+    // The engine already holds the prompt's blocks when the proxy joins (the replay says so).
+    let stored = KvEvent::BlockStored {
+        block_hashes: hashes.clone(),
+        parent_block_hash: None,
+        token_ids: vec![],
+        block_size: 16,
+    };
+    let r = e
+        .request(Duration::from_secs(5))
+        .await
+        .expect("the proxy asks for a replay");
+    e.reply(
+        r,
+        &[(0, Bytes::from(encode_batch(1.0, &[stored], 0, false)))],
+    )
+    .await;
+    wait_for(&h, Duration::from_secs(5), |s| {
+        s[1]["blocks"].as_u64() == Some(hashes.len() as u64)
+    })
+    .await;
+
+    let mut body = v["body"].clone();
+    body["model"] = MODEL.into();
+    body["max_tokens"] = 2.into();
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/chat/completions", h.addr))
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert!(resp.status().is_success());
+    let backend = resp.headers()["x-headroom-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    resp.text().await.unwrap();
+    assert_eq!(backend, name(&b));
+    let metrics = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    let metric = |name: &str| -> f64 {
+        metrics
+            .lines()
+            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
+            .unwrap_or(f64::NAN)
+    };
+    assert_eq!(
+        metric("headroom_routed_matched_tokens_total "),
+        (hashes.len() * 16) as f64
+    );
+    assert_eq!(metric("headroom_engine_tokens_failed_total "), 0.0);
     h.shutdown().await;
 }

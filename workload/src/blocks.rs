@@ -127,4 +127,34 @@ mod tests {
         h.extend(&mut grown, &t, b"m");
         assert_eq!(grown, h.hash_all(&t, b"m"));
     }
+
+    #[test]
+    fn independent_test_vectors() {
+        // From scripts/block_hash_vectors.py (Python's xxhash package, not this code): the
+        // simulator publishes these hashes and the proxy's `kv_events` policy must compute them.
+        let tokens: Vec<u32> = (0..32).collect();
+        for (seed, extra, want) in [
+            (
+                0,
+                &b""[..],
+                [9_271_484_541_775_670_697, 1_598_744_182_686_717_348],
+            ),
+            (
+                42,
+                b"",
+                [9_942_693_656_855_254_428, 3_202_674_706_577_593_342],
+            ),
+            (
+                0,
+                b"salt",
+                [10_425_912_787_147_832_549, 15_122_575_491_954_346_351],
+            ),
+        ] {
+            assert_eq!(
+                BlockHasher::new(16, seed).hash_all(&tokens, extra),
+                want,
+                "seed {seed}"
+            );
+        }
+    }
 }

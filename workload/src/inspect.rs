@@ -5,7 +5,7 @@
 //! prompt  = render_chat(messages)  (every message, in order, Llama-3 template)   chat
 //!         | <|begin_of_text|> + prompt text  | prompt token ids                  completions
 //! tokens  = Tokenizer(prompt[..cut])          cut = max_hashed_tokens × MAX_BYTES_PER_TOKEN bytes
-//! seed    = xxh3(model, hash_seed)          (hash_seed alone to match the simulator's KV events)
+//! seed    = xxh3(model, hash_seed)          (Chain::Sim: hash_seed alone, as the simulator's KV events)
 //! extra   = cache_salt (LoRA adapters are served under their own model name, so the model covers them)
 //! blocks  = BlockHasher(block_tokens, seed).hash_all(tokens[..min(n, max_hashed_tokens)], extra)
 //! prompt_tokens = n                          when the whole prompt was tokenized
@@ -19,14 +19,20 @@
 //! | `hash_seed` | mixes into every chain, so unrelated deployments never share hashes | 0 |
 //!
 //! The token count is exact on headroom's simulator and an estimate for real engines, whose
-//! tokenizers differ; routing only needs it in the right proportion.
+//! tokenizers differ; routing only needs it in the right proportion. Under `Chain::Vllm` the
+//! prompt is rendered and tokenized as the engine does (engine_tokenizer.rs) and hashed in vLLM's
+//! chain (vllm_hash.rs), so the blocks equal the ones the engine publishes and the count is exact.
+
+use std::sync::Arc;
 
 use serde::Deserialize;
 use xxhash_rust::xxh3::xxh3_64_with_seed;
 
 use crate::blocks::{BlockHash, BlockHasher};
+use crate::engine_tokenizer::EngineTokenizer;
 use crate::openai::{ChatMessage, GenerationParams, Prompt, StreamOptions, render_chat};
 use crate::tokenizer::Tokenizer;
+use crate::vllm_hash::VllmHasher;
 
 /// Token id of `<|begin_of_text|>`, which engines prepend to a completion prompt.
 pub const BOS: u32 = 128_000;
@@ -54,8 +60,32 @@ impl Endpoint {
     }
 }
 
+/// Which chain of block hashes a prompt is hashed into.
+#[derive(Debug, Clone, Default)]
+pub enum Chain {
+    /// headroom's own: the headroom tokenizer, xxh3 seeded with the model and `hash_seed`, so
+    /// models never share blocks (approximate routing).
+    #[default]
+    Headroom,
+    /// What headroom's simulator publishes in its KV events: the same tokens, xxh3 seeded with
+    /// `hash_seed` (its `--hash-seed`) alone.
+    Sim,
+    /// What a vLLM engine publishes: its own tokens (the model's tokenizer and chat template) in
+    /// vLLM's `sha256_cbor` chain.
+    Vllm(Arc<VllmChain>),
+}
+
+/// vLLM's chain: the model's tokenizer and the engine's hash.
+#[derive(Debug)]
+pub struct VllmChain {
+    /// The model's tokenizer and chat template.
+    pub tokenizer: EngineTokenizer,
+    /// The engine's block hash.
+    pub hasher: VllmHasher,
+}
+
 /// How prompts are hashed into blocks.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone)]
 pub struct InspectConfig {
     /// Tokens per block.
     pub block_tokens: u32,
@@ -63,10 +93,8 @@ pub struct InspectConfig {
     pub max_hashed_tokens: u32,
     /// Seed mixed into every chain.
     pub hash_seed: u64,
-    /// Mix the model name into the seed (headroom's own chain, so models never share blocks);
-    /// off to compute exactly the hashes headroom's simulator publishes in its KV events, which
-    /// seeds with `hash_seed` alone.
-    pub model_in_seed: bool,
+    /// The chain.
+    pub chain: Chain,
 }
 
 impl Default for InspectConfig {
@@ -75,7 +103,7 @@ impl Default for InspectConfig {
             block_tokens: 16,
             max_hashed_tokens: 32_768,
             hash_seed: 0,
-            model_in_seed: true,
+            chain: Chain::Headroom,
         }
     }
 }
@@ -106,6 +134,9 @@ pub struct Inspected {
     pub tail_hash: Option<BlockHash>,
     /// Temperature 0 or a fixed seed: the output is reproducible.
     pub deterministic: bool,
+    /// Under [`Chain::Vllm`], why the engine's tokens could not be made (the blocks are then
+    /// headroom's own chain, which only the approximate index can match).
+    pub engine_error: Option<String>,
 }
 
 /// Why a body could not be inspected. The message is safe to show the client (no prompt text).
@@ -144,6 +175,9 @@ pub fn inspect(
     body: &[u8],
     cfg: &InspectConfig,
 ) -> Result<Inspected, InspectError> {
+    if let Chain::Vllm(vllm) = &cfg.chain {
+        return inspect_engine(endpoint, body, cfg, vllm);
+    }
     let bad = |e: serde_json::Error| InspectError::Body(e.to_string());
     let (rendered, params, extra_prompt_tokens) = match endpoint {
         Endpoint::Chat => {
@@ -188,13 +222,12 @@ pub fn inspect(
         }
         Rendered::Text(text) => tokens_of(&text, max),
     };
-    let seed = if cfg.model_in_seed {
-        xxh3_64_with_seed(
+    let seed = match cfg.chain {
+        Chain::Sim => cfg.hash_seed,
+        _ => xxh3_64_with_seed(
             params.model.as_deref().unwrap_or("").as_bytes(),
             cfg.hash_seed,
-        )
-    } else {
-        cfg.hash_seed
+        ),
     };
     let hasher = BlockHasher::new(cfg.block_tokens.max(1) as usize, seed);
     let extra = params.cache_salt.as_deref().unwrap_or("").as_bytes();
@@ -219,7 +252,89 @@ pub fn inspect(
         hashed_tokens,
         blocks,
         tail_hash,
+        engine_error: None,
     })
+}
+
+/// Under [`Chain::Vllm`]: the engine's own tokens hashed in its chain; when the template or the
+/// tokenizer fails on the request, headroom's chain with the reason in `engine_error`.
+fn inspect_engine(
+    endpoint: Endpoint,
+    body: &[u8],
+    cfg: &InspectConfig,
+    vllm: &VllmChain,
+) -> Result<Inspected, InspectError> {
+    let mut headroom = inspect(
+        endpoint,
+        body,
+        &InspectConfig {
+            chain: Chain::Headroom,
+            ..cfg.clone()
+        },
+    )?;
+    let raw: serde_json::Value =
+        serde_json::from_slice(body).map_err(|e| InspectError::Body(e.to_string()))?;
+    let special = raw
+        .get("add_special_tokens")
+        .and_then(serde_json::Value::as_bool);
+    let t = &vllm.tokenizer;
+    let tokens = match endpoint {
+        Endpoint::Chat => t
+            .render_chat(&raw)
+            .and_then(|text| t.encode(&text, special.unwrap_or(false))),
+        Endpoint::Completions => match raw.get("prompt") {
+            Some(serde_json::Value::String(text)) => t.encode(text, special.unwrap_or(true)),
+            Some(serde_json::Value::Array(items)) => match items.first() {
+                Some(serde_json::Value::String(text)) => t.encode(text, special.unwrap_or(true)),
+                // Token ids (or a batch of them): the engine takes them as they are.
+                Some(serde_json::Value::Number(_)) => Ok(ids_of(items)),
+                Some(serde_json::Value::Array(first)) => Ok(ids_of(first)),
+                _ => Ok(Vec::new()),
+            },
+            _ => Ok(Vec::new()),
+        },
+    };
+    let mut tokens = match tokens {
+        Ok(t) => t,
+        Err(e) => {
+            headroom.engine_error = Some(e.to_string());
+            return Ok(headroom);
+        }
+    };
+    let cache_salt = raw.get("cache_salt").and_then(serde_json::Value::as_str);
+    // The other prompts of a batch are work too; only the first is hashed.
+    let mut batch_rest = 0usize;
+    if let (Endpoint::Completions, Some(serde_json::Value::Array(items))) =
+        (endpoint, raw.get("prompt"))
+    {
+        if items.first().is_some_and(|f| !f.is_number()) {
+            for p in &items[1..] {
+                batch_rest += match p {
+                    serde_json::Value::String(text) => t
+                        .encode(text, special.unwrap_or(true))
+                        .map_or(0, |ids| ids.len()),
+                    serde_json::Value::Array(ids) => ids.len(),
+                    _ => 0,
+                };
+            }
+        }
+    }
+    let n = tokens.len();
+    tokens.truncate(cfg.max_hashed_tokens as usize);
+    let blocks = vllm.hasher.hash_all(&tokens, cache_salt);
+    headroom.hashed_tokens = (blocks.len() * vllm.hasher.block_size()) as u32;
+    headroom.blocks = blocks;
+    headroom.prompt_tokens = u32::try_from(n + batch_rest).unwrap_or(u32::MAX);
+    headroom.tail_hash = None;
+    Ok(headroom)
+}
+
+fn ids_of(items: &[serde_json::Value]) -> Vec<u32> {
+    items
+        .iter()
+        .filter_map(serde_json::Value::as_u64)
+        .map(|t| t as u32)
+        .collect()
 }
 
 /// The first `max` tokens of `text` and the whole text's token count (estimated beyond the cut).

@@ -4,6 +4,7 @@
 pub mod blocks;
 pub mod capacity;
 pub mod engine_metrics;
+pub mod engine_tokenizer;
 pub mod inspect;
 pub mod kv_events;
 pub mod measure;
@@ -13,6 +14,7 @@ pub mod realtime;
 pub mod sse;
 pub mod tokenizer;
 pub mod trace;
+pub mod vllm_hash;
 pub mod words;
 
 pub use blocks::{BlockHash, BlockHasher};

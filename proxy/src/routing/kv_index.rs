@@ -196,7 +196,8 @@ impl KvIndex {
         }
     }
 
-    /// Where a live batch numbered `seq` stands. Counts gaps and restarts.
+    /// Where a live batch numbered `seq` stands. Counts gaps (a batch behind the expected one may
+    /// be a replayed duplicate; [`KvIndex::restarted`] counts restarts).
     pub fn check(&mut self, r: BackendId, seq: u64) -> SeqCheck {
         let Some(x) = self.replicas.get_mut(r) else {
             return SeqCheck::Next;
@@ -208,10 +209,8 @@ impl KvIndex {
             Some(e) if seq > e => SeqCheck::Gap { from: e },
             Some(_) => SeqCheck::Restarted,
         };
-        match c {
-            SeqCheck::Gap { .. } => x.counts.gaps += 1,
-            SeqCheck::Restarted => x.counts.restarts += 1,
-            SeqCheck::Next => {}
+        if matches!(c, SeqCheck::Gap { .. }) {
+            x.counts.gaps += 1;
         }
         c
     }
@@ -222,6 +221,7 @@ impl KvIndex {
         if let Some(x) = self.replicas.get_mut(r) {
             x.next_seq = None;
             x.complete = false;
+            x.counts.restarts += 1;
         }
     }
 

@@ -287,7 +287,7 @@ impl Writer {
         if let Some(r) = &p.rehash {
             let cfg = InspectConfig {
                 max_hashed_tokens: u32::MAX,
-                ..r.inspect
+                ..r.inspect.clone()
             };
             rehashed = inspect(r.endpoint, &r.body, &cfg).ok();
             self.queued_body_bytes
@@ -545,7 +545,7 @@ mod tests {
                 rehash: Some(Rehash {
                     endpoint: Endpoint::Completions,
                     body,
-                    inspect: routing,
+                    inspect: routing.clone(),
                 }),
             });
         }

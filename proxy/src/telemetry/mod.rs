@@ -38,6 +38,9 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Requests whose body could not be inspected (routed without prefix information).
     pub uninspectable: IntCounter,
+    /// Requests whose engine tokens (chat template, tokenizer) could not be made for
+    /// `vllm_sha256_cbor` hashing (routed on headroom's own chain).
+    pub engine_tokens_failed: IntCounter,
     /// Routing decisions, by policy and backend.
     pub routed: IntCounterVec,
     /// Prompt tokens of routed generation requests.
@@ -196,6 +199,11 @@ impl Metrics {
             uninspectable: IntCounter::new(
                 "headroom_uninspectable_requests_total",
                 "Generation requests whose body could not be inspected; routed without prefix information and left to the engine to judge.",
+            )
+            .expect("valid metric"),
+            engine_tokens_failed: IntCounter::new(
+                "headroom_engine_tokens_failed_total",
+                "Requests whose engine tokens (chat template, tokenizer) could not be made for kv_events.hash = vllm_sha256_cbor; routed on headroom's own chain.",
             )
             .expect("valid metric"),
             routed: counter(
@@ -452,6 +460,7 @@ impl Metrics {
             Box::new(m.proxy_errors.clone()),
             Box::new(m.retries.clone()),
             Box::new(m.uninspectable.clone()),
+            Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),
             Box::new(m.routed_prompt_tokens.clone()),
             Box::new(m.routed_matched_tokens.clone()),

@@ -83,9 +83,11 @@ pub async fn subscribe_loop(
         let mut monitor = sub.monitor();
         lock(&index).set_connected(src.id, true);
         tracing::info!(backend = %src.name, endpoint = %src.endpoint, "following KV events");
+        // Sequence numbers a replay covered: live copies of them may still be queued.
+        let mut replayed = None;
         if src.replay.is_some() {
             let from = lock(&index).next_seq(src.id).unwrap_or(0);
-            catch_up(&src, &index, &m, from, None).await;
+            replayed = catch_up(&src, &index, &m, from, None).await;
         }
         loop {
             tokio::select! {
@@ -98,14 +100,14 @@ pub async fn subscribe_loop(
                         lock(&index).set_connected(src.id, true);
                         if src.replay.is_some() {
                             let from = lock(&index).next_seq(src.id).unwrap_or(0);
-                            catch_up(&src, &index, &m, from, None).await;
+                            replayed = catch_up(&src, &index, &m, from, None).await;
                         }
                     }
                     Some(_) => {}
                     None => break,
                 },
                 msg = sub.recv() => match msg {
-                    Ok(msg) => on_message(&src, &index, &m, msg).await,
+                    Ok(msg) => on_message(&src, &index, &m, msg, &mut replayed).await,
                     Err(e) => {
                         tracing::warn!(backend = %src.name, "KV event stream: {e}");
                         break;
@@ -162,15 +164,24 @@ fn frames(msg: ZmqMessage) -> Option<(u64, Bytes)> {
     Some((seq, payload))
 }
 
-async fn on_message(src: &EventSource, index: &Index, m: &StreamMetrics, msg: ZmqMessage) {
+async fn on_message(
+    src: &EventSource,
+    index: &Index,
+    m: &StreamMetrics,
+    msg: ZmqMessage,
+    replayed: &mut Option<(u64, u64)>,
+) {
     let Some((seq, payload)) = frames(msg) else {
         m.decode_errors.inc();
         return;
     };
     let check = lock(index).check(src.id, seq);
     match check {
-        SeqCheck::Next => {}
+        SeqCheck::Next => *replayed = None,
+        // Published before the replay ended and applied from it: a duplicate.
+        SeqCheck::Restarted if replayed.is_some_and(|(a, b)| (a..=b).contains(&seq)) => return,
         SeqCheck::Restarted => {
+            *replayed = None;
             m.restarts.inc();
             tracing::info!(backend = %src.name, seq, "engine restarted: its cached blocks are forgotten");
             lock(index).restarted(src.id);
@@ -211,16 +222,18 @@ fn apply(src: &EventSource, index: &Index, m: &StreamMetrics, seq: u64, payload:
     }
 }
 
-/// Replays batches `from..until` (or everything buffered from `from`) into the index.
+/// Replays batches `from..until` (or everything buffered from `from`) into the index. Returns
+/// the range of sequence numbers it covered, whose live copies still queued in the socket are
+/// then duplicates, not a restart.
 async fn catch_up(
     src: &EventSource,
     index: &Index,
     m: &StreamMetrics,
     from: u64,
     until: Option<u64>,
-) {
+) -> Option<(u64, u64)> {
     let Some(endpoint) = &src.replay else {
-        return;
+        return None;
     };
     match replay(endpoint, from, src.replay_timeout).await {
         Ok(batches) => {
@@ -240,10 +253,12 @@ async fn catch_up(
             } else {
                 m.replay_short.inc();
             }
+            batches.last().map(|(last, _)| (from, *last))
         }
         Err(e) => {
             m.replay_failed.inc();
             tracing::warn!(backend = %src.name, "KV event replay from {from} failed: {e}");
+            None
         }
     }
 }

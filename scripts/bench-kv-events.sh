@@ -1,0 +1,166 @@
+#!/usr/bin/env bash
+# Precise routing under cache pressure: a contiguous slice of the real Mooncake conversation trace
+# replayed through `headroom serve` to 4 simulated Llama-3.1-8B/H100 replicas whose KV caches
+# together hold KV_FRACTION of the slice's prefix working set (the distinct 512-token blocks that
+# more than one request uses), publishing KV events over ZMQ. Once per policy with one proxy, then
+# with 2 and 4 proxies in front of the same replicas (requests spread over them in turn, as a
+# Service spreads connections) for the history-based and the event-based policy. Each run starts
+# from empty prefix caches. Records per run: the replicas' own prefix-cache hit rate beside the
+# ideal, TTFT p50/p90/p99, TPOT p99, throughput, goodput, preemptions, and each proxy's view of
+# every replica's event stream. Loopback only; bounded by ROWS.
+#
+#   ROWS=1000 TIME_SCALE=1 scripts/bench-kv-events.sh       # ~6 minutes per run, 8 runs
+set -euo pipefail
+cd "$(dirname "$0")/.."
+ROWS=${ROWS:-1000}
+START=${START:-0}
+TIME_SCALE=${TIME_SCALE:-1}
+KV_FRACTION=${KV_FRACTION:-0.7}
+POLICIES=${POLICIES:-round_robin least_load prefix_affinity kv_events}
+MULTI_POLICIES=${MULTI_POLICIES:-prefix_affinity kv_events}
+PROXY_COUNTS=${PROXY_COUNTS:-2 4}
+SLO=${SLO:-ttft=2000,tpot=50}
+# Replica i publishes on EVENTS_PORT + i and answers replays on REPLAY_PORT + i.
+EVENTS_PORT=${EVENTS_PORT:-25557}
+REPLAY_PORT=${REPLAY_PORT:-25657}
+TRACE=${TRACE:-../shared/traces/mooncake_conversation.jsonl}
+OUT=${OUT:-results/bench-kv-events}
+[ -f "$TRACE" ] || { echo "trace not found: $TRACE" >&2; exit 2; }
+mkdir -p "$OUT"
+cargo build --release --locked -q
+bin=target/release/headroom
+
+slice="$OUT/trace.jsonl"
+sed -n "$((START + 1)),$((START + ROWS))p" "$TRACE" >"$slice"
+
+# The working set and the per-replica KV cache that holds KV_FRACTION of it across 4 replicas.
+read -r working_set blocks < <(python3 - "$slice" "$KV_FRACTION" <<'PY'
+import collections, json, math, sys
+uses = collections.Counter(h for line in open(sys.argv[1]) for h in json.loads(line)["hash_ids"])
+working_set = sum(1 for n in uses.values() if n > 1) * 512
+per_replica = float(sys.argv[2]) * working_set / 4
+print(working_set, math.ceil(per_replica / 16) + 1)
+PY
+)
+echo "prefix working set $working_set tokens; $blocks KV blocks per replica ($(( (blocks - 1) * 16 )) tokens)" >&2
+
+source scripts/bench-common.sh
+
+kv_config="{\"enable_kv_cache_events\":true,\"publisher\":\"zmq\",\"endpoint\":\"tcp://*:$EVENTS_PORT\",\"replay_endpoint\":\"tcp://*:$REPLAY_PORT\"}"
+start_sims 4 "$OUT/sims.url" --profile llama-3.1-8b --gpu h100 --num-gpu-blocks "$blocks" \
+  --kv-events-config "$kv_config"
+urls=$(paste -sd, "$OUT/sims.url")
+
+preemptions() {
+  for u in $(cat "$OUT/sims.url"); do curl -sf "$u/metrics"; done |
+    awk '/^vllm:num_preemptions_total/ {s += $2} END {print s + 0}'
+}
+
+# run POLICY PROXIES
+run() {
+  local policy=$1 n=$2 dir="$OUT/$1-x$2"
+  mkdir -p "$dir"
+  for u in $(cat "$OUT/sims.url"); do curl -sf -X POST "$u/reset_prefix_cache" >/dev/null; done
+  {
+    echo 'listen = "127.0.0.1:0"'
+    echo 'admin_listen = "127.0.0.1:0"'
+    local i=0
+    for u in $(cat "$OUT/sims.url"); do
+      printf '[[backends]]\nurl = "%s"\nkv_events = "tcp://127.0.0.1:%d"\nkv_events_replay = "tcp://127.0.0.1:%d"\n' \
+        "$u" $((EVENTS_PORT + i)) $((REPLAY_PORT + i))
+      i=$((i + 1))
+    done
+    printf '[routing]\npolicy = "%s"\nforeign_load = %s\n' "$policy" "$([ "$n" -gt 1 ] && echo true || echo false)"
+  } >"$dir/headroom.toml"
+  local proxies=() admins=() serve_pids=()
+  for k in $(seq "$n"); do
+    $bin serve --config "$dir/headroom.toml" >"$dir/serve-$k.url" 2>"$dir/serve-$k.log" &
+    serve_pids+=($!)
+    pids+=($!)
+    wait_line "$dir/serve-$k.log" "admin http"
+    proxies+=("$(grep -m1 http "$dir/serve-$k.url")")
+    admins+=("$(grep -o 'admin http://[0-9.:]*' "$dir/serve-$k.log" | cut -d' ' -f2)")
+  done
+  # Event-following proxies start once every stream is live (the reset above is in each replay).
+  if [ "$policy" = kv_events ]; then
+    for a in "${admins[@]}"; do
+      for _ in $(seq 100); do
+        [ "$(curl -sf "$a/stats" | python3 -c 'import json,sys; print(all(b["kv_events"]["state"]=="live" for b in json.load(sys.stdin)["backends"]))')" = True ] && break
+        sleep 0.1
+      done
+    done
+  fi
+  for k in $(seq "$n"); do curl -sf "${admins[$((k - 1))]}/metrics" >"$dir/proxy-$k-metrics-before.txt"; done
+  preemptions >"$dir/preemptions-before.txt"
+  echo "== $policy × $n proxies" >&2
+  $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$(IFS=,; echo "${proxies[*]}")" --observe "$urls" \
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy)" \
+    --out "$dir" >"$dir/replay.txt"
+  preemptions >"$dir/preemptions-after.txt"
+  for k in $(seq "$n"); do
+    curl -sf "${admins[$((k - 1))]}/metrics" >"$dir/proxy-$k-metrics-after.txt"
+    curl -sf "${admins[$((k - 1))]}/stats" >"$dir/proxy-$k-stats.json"
+  done
+  for p in "${serve_pids[@]}"; do kill -INT "$p"; wait "$p" 2>/dev/null || true; done
+}
+
+for policy in $POLICIES; do run "$policy" 1; done
+for n in $PROXY_COUNTS; do
+  for policy in $MULTI_POLICIES; do run "$policy" "$n"; done
+done
+
+python3 - "$OUT" "$working_set" "$blocks" <<'PY'
+import glob, json, os, re, sys
+out, working_set, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+def run_dirs():
+    dirs = [d for d in glob.glob(f"{out}/*-x*") if os.path.exists(f"{d}/result.json")]
+    return sorted(dirs, key=lambda d: (int(d.rsplit("-x", 1)[1]), os.path.getmtime(d)))
+def integrals(paths):
+    vals = {}
+    for path in paths:
+        for line in open(path):
+            m = re.match(r'headroom_backend_in_flight_seconds_total\{backend="([^"]+)"\} (\S+)', line)
+            if m:
+                vals[m.group(1)] = vals.get(m.group(1), 0.0) + float(m.group(2))
+    return vals
+rows, single = [], {}
+for d in run_dirs():
+    name = os.path.basename(d)
+    policy, n = name.rsplit("-x", 1)
+    n = int(n)
+    r = json.load(open(f"{d}/result.json"))
+    s, t = r["summary"], r["target_observed"]
+    before = integrals(glob.glob(f"{d}/proxy-*-metrics-before.txt"))
+    after = integrals(glob.glob(f"{d}/proxy-*-metrics-after.txt"))
+    loads = [after[k] - before.get(k, 0.0) for k in after]
+    imbalance = max(loads) / (sum(loads) / len(loads)) if loads and sum(loads) > 0 else float("nan")
+    pre = float(open(f"{d}/preemptions-after.txt").read()) - float(open(f"{d}/preemptions-before.txt").read())
+    states = set()
+    for st in glob.glob(f"{d}/proxy-*-stats.json"):
+        for b in json.load(open(st))["backends"]:
+            if "kv_events" in b:
+                k = b["kv_events"]
+                states.add(f'{k["state"]}' + (f' ({k["losses"]} lost)' if k["losses"] else ""))
+    hit, ideal = t.get("prefix_cache_hit_rate", 0.0), t.get("offline_prefix_hit_rate", float("nan"))
+    if n == 1:
+        single[policy] = hit
+    rows.append((policy, n, hit, ideal, s, imbalance, pre, ", ".join(sorted(states)) or "–"))
+contract = json.load(open(f"{run_dirs()[0]}/result.json"))["contract"]
+lines = [
+    f"trace: {contract['trace']['path']} (sha256 {contract['trace']['sha256'][:16]}…), {contract['trace']['requests']} requests, time scale {contract['load'].get('time_scale')}",
+    f"prefix working set (blocks used by more than one request): {working_set:,} tokens; KV per replica {(blocks - 1) * 16:,} tokens, fleet {(blocks - 1) * 64:,} ({100 * (blocks - 1) * 64 / working_set:.0f}% of the working set)",
+    "",
+    "| policy | proxies | hit rate | of ideal | vs 1 proxy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p99 ms | output tok/s | goodput req/s | preemptions | imbalance | event streams | failed |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+]
+for policy, n, hit, ideal, s, imb, pre, states in rows:
+    delta = f"{100 * (hit - single[policy]):+.1f} pt" if policy in single and n > 1 else ""
+    lines.append(f"| {policy} | {n} | {100*hit:.1f}% | {100*hit/ideal:.0f}% | {delta} | {s['ttft']['p50_ms']:.0f} | {s['ttft']['p90_ms']:.0f} | "
+                 f"{s['ttft']['p99_ms']:.0f} | {s['tpot']['p99_ms']:.1f} | {s['output_token_throughput']:.0f} | {s['goodput']['requests_per_s']:.2f} | "
+                 f"{pre:.0f} | {imb:.2f} | {states} | {s['failed']} |")
+lines.append("")
+lines.append(f"ideal hit rate (one LRU cache of the fleet's combined KV capacity): {100*rows[0][3]:.1f}%")
+text = "\n".join(lines)
+open(f"{out}/summary.md", "w").write(text + "\n")
+print(text)
+PY
