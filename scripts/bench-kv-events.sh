@@ -10,6 +10,7 @@
 # every replica's event stream. Loopback only; bounded by ROWS.
 #
 #   ROWS=1000 TIME_SCALE=1 scripts/bench-kv-events.sh       # ~6 minutes per run, 8 runs
+#   PROXY_COUNTS= POLICIES="prefix_affinity kv_events" ...   # one proxy only
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${ROWS:-1000}
@@ -17,8 +18,8 @@ START=${START:-0}
 TIME_SCALE=${TIME_SCALE:-1}
 KV_FRACTION=${KV_FRACTION:-0.7}
 POLICIES=${POLICIES:-round_robin least_load prefix_affinity kv_events}
-MULTI_POLICIES=${MULTI_POLICIES:-prefix_affinity kv_events}
-PROXY_COUNTS=${PROXY_COUNTS:-2 4}
+MULTI_POLICIES=${MULTI_POLICIES-prefix_affinity kv_events}
+PROXY_COUNTS=${PROXY_COUNTS-2 4}
 SLO=${SLO:-ttft=2000,tpot=50}
 # Replica i publishes on EVENTS_PORT + i and answers replays on REPLAY_PORT + i.
 EVENTS_PORT=${EVENTS_PORT:-25557}
