@@ -325,7 +325,11 @@ fn inspect_engine(
     headroom.hashed_tokens = (blocks.len() * vllm.hasher.block_size()) as u32;
     headroom.blocks = blocks;
     headroom.prompt_tokens = u32::try_from(n + batch_rest).unwrap_or(u32::MAX);
-    headroom.tail_hash = None;
+    // headroom's tail hash still identifies the exact prompt (for the capture) when the engine's
+    // tokens were hashed whole.
+    if n > cfg.max_hashed_tokens as usize {
+        headroom.tail_hash = None;
+    }
     Ok(headroom)
 }
 
@@ -333,7 +337,7 @@ fn ids_of(items: &[serde_json::Value]) -> Vec<u32> {
     items
         .iter()
         .filter_map(serde_json::Value::as_u64)
-        .map(|t| t as u32)
+        .map(|t| u32::try_from(t).unwrap_or(u32::MAX))
         .collect()
 }
 

@@ -48,6 +48,9 @@ pub struct DecodedBatch {
     pub events: Vec<KvEvent>,
     /// Events skipped because they concern another medium (e.g. CPU offload).
     pub other_medium: usize,
+    /// Events of a type this version does not know (skipped, so one new event kind does not
+    /// make every batch unreadable).
+    pub unknown: usize,
     /// The data-parallel rank that published it.
     pub dp_rank: u32,
 }
@@ -178,22 +181,25 @@ pub fn decode_batch(payload: &[u8]) -> Result<DecodedBatch, DecodeError> {
     };
     let mut events = Vec::with_capacity(raw.len());
     let mut other_medium = 0;
+    let mut unknown = 0;
     for e in raw {
         match decode_event(e)? {
-            (_, false) => other_medium += 1,
-            (ev, true) => events.push(ev),
+            None => unknown += 1,
+            Some((_, false)) => other_medium += 1,
+            Some((ev, true)) => events.push(ev),
         }
     }
     Ok(DecodedBatch {
         ts,
         events,
         other_medium,
+        unknown,
         dp_rank,
     })
 }
 
-/// An event and whether it concerns the GPU cache.
-fn decode_event(v: &ValueRef<'_>) -> Result<(KvEvent, bool), DecodeError> {
+/// An event and whether it concerns the GPU cache; None for an event type not known here.
+fn decode_event(v: &ValueRef<'_>) -> Result<Option<(KvEvent, bool)>, DecodeError> {
     match v {
         ValueRef::Map(fields) => {
             let get = |k: &str| {
@@ -239,7 +245,7 @@ fn event_from(
     hashes: Option<&ValueRef<'_>>,
     parent: Option<&ValueRef<'_>>,
     medium: Option<&ValueRef<'_>>,
-) -> Result<(KvEvent, bool), DecodeError> {
+) -> Result<Option<(KvEvent, bool)>, DecodeError> {
     // An absent or nil medium is the GPU (older publishers and the map format's default).
     let on_gpu = medium
         .and_then(as_str)
@@ -258,9 +264,9 @@ fn event_from(
             block_hashes: hash_list(hashes)?,
         },
         "AllBlocksCleared" => KvEvent::AllBlocksCleared,
-        other => return Err(shape(format!("unknown event type {other:?}"))),
+        _ => return Ok(None),
     };
-    Ok((event, on_gpu))
+    Ok(Some((event, on_gpu)))
 }
 
 fn hash_list(v: Option<&ValueRef<'_>>) -> Result<Vec<BlockHash>, DecodeError> {
@@ -426,8 +432,8 @@ mod tests {
             Value::F64(1.0),
             Value::Array(vec![Value::Map(vec![(s("type"), s("Teleported"))])]),
         ]);
-        let err = decode_batch(&encode(&unknown)).unwrap_err();
-        assert!(err.to_string().contains("Teleported"), "{err}");
+        // An event type from a newer engine is skipped and counted, not fatal.
+        assert_eq!(decode_batch(&encode(&unknown)).unwrap().unknown, 1);
         let no_hashes = Value::Array(vec![
             Value::F64(1.0),
             Value::Array(vec![Value::Array(vec![s("BlockRemoved")])]),

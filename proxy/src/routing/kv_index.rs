@@ -118,6 +118,9 @@ struct Replica {
     pending: HashMap<BlockHash, Instant>,
     /// (deadline, hash) in dispatch order, for expiry.
     pending_order: VecDeque<(Instant, BlockHash)>,
+    /// Sequence number and engine timestamp of the last batch applied, to tell after a
+    /// reconnect whether the engine is still the same process.
+    last_batch: Option<(u64, f64)>,
     counts: StreamCounts,
 }
 
@@ -217,12 +220,37 @@ impl KvIndex {
 
     /// The engine restarted: its cache is empty and its numbering starts again.
     pub fn restarted(&mut self, r: BackendId) {
+        self.forget(r);
+        if let Some(x) = self.replicas.get_mut(r) {
+            x.counts.restarts += 1;
+        }
+    }
+
+    /// Continuity with the engine cannot be checked (reconnected without a replay socket): the
+    /// picture is dropped and rebuilt from the next batch, partial.
+    pub fn forget(&mut self, r: BackendId) {
         self.clear(r);
         if let Some(x) = self.replicas.get_mut(r) {
             x.next_seq = None;
             x.complete = false;
-            x.counts.restarts += 1;
+            x.last_batch = None;
+            x.pending.clear();
+            x.pending_order.clear();
         }
+    }
+
+    /// Records the engine timestamp of batch `seq`, just applied.
+    pub fn note_batch_ts(&mut self, r: BackendId, seq: u64, ts: f64) {
+        if let Some(x) = self.replicas.get_mut(r) {
+            if x.next_seq == Some(seq.saturating_add(1)) {
+                x.last_batch = Some((seq, ts));
+            }
+        }
+    }
+
+    /// Sequence number and engine timestamp of the last batch applied.
+    pub fn last_batch(&self, r: BackendId) -> Option<(u64, f64)> {
+        self.replicas.get(r).and_then(|x| x.last_batch)
     }
 
     /// A replay found the engine has published nothing yet: its cache is empty, and the picture
@@ -257,7 +285,7 @@ impl KvIndex {
             self.replicas[r].complete = false;
         }
         let x = &mut self.replicas[r];
-        x.next_seq = Some(seq + 1);
+        x.next_seq = Some(seq.saturating_add(1));
         x.counts.batches += 1;
         x.awaiting_since = None;
         for e in events {
@@ -292,7 +320,7 @@ impl KvIndex {
         if x.next_seq.is_some_and(|e| seq < e) {
             return false;
         }
-        x.next_seq = Some(seq + 1);
+        x.next_seq = Some(seq.saturating_add(1));
         x.complete = false;
         x.counts.losses += 1;
         self.clear(r);
@@ -538,5 +566,23 @@ mod tests {
         assert_eq!(ix.state(0, t0 + Duration::from_secs(60)), StreamState::Live);
         ix.set_connected(0, false);
         assert_eq!(ix.state(0, t0), StreamState::Missing);
+    }
+
+    #[test]
+    fn the_last_batch_is_remembered_and_forgetting_drops_everything() {
+        let (mut ix, now) = index(1);
+        ix.apply(0, 0, &[stored(&[1])]);
+        ix.note_batch_ts(0, 0, 10.5);
+        // A duplicate does not move the remembered batch.
+        ix.note_batch_ts(0, 7, 99.0);
+        assert_eq!(ix.last_batch(0), Some((0, 10.5)));
+        ix.note_dispatch(0, &[1, 2], now);
+        ix.forget(0);
+        assert_eq!((ix.next_seq(0), ix.last_batch(0)), (None, None));
+        assert_eq!(ix.depths(&[1, 2], now), vec![0]);
+        assert_eq!(ix.state(0, now), StreamState::Partial);
+        // Rebuilt from the next batch heard.
+        assert_eq!(ix.apply(0, 12, &[stored(&[5])]), Applied::InOrder);
+        assert_eq!(ix.depths(&[5], now), vec![1]);
     }
 }

@@ -75,7 +75,9 @@ impl RoutingPolicy for LeastLoad {
 
     fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
         let h = healthy(fleet)?;
-        let b = least_loaded_by(&h, req.hash_key(), |b| f64::from(b.in_flight + b.foreign));
+        let b = least_loaded_by(&h, req.hash_key(), |b| {
+            f64::from(b.in_flight) + f64::from(b.foreign)
+        });
         Ok(Pick {
             backend: b.id,
             matched_tokens: 0,
@@ -180,7 +182,7 @@ impl PrefixAffinity {
     pub fn cost(&self, req: &RouteRequest<'_>, b: &BackendView, matched: u32) -> f64 {
         self.recompute_weight * f64::from(req.prompt_tokens - matched.min(req.prompt_tokens))
             + b.pending_prefill_tokens as f64
-            + self.decode_weight * f64::from(b.decoding + b.foreign)
+            + self.decode_weight * (f64::from(b.decoding) + f64::from(b.foreign))
     }
 
     /// The healthy replica of least cost, given how many leading blocks each one holds.

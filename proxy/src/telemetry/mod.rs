@@ -107,6 +107,8 @@ pub struct KvEventCounters {
     pub restarts: IntCounterVec,
     /// Messages that could not be decoded.
     pub decode_errors: IntCounterVec,
+    /// Events of a type headroom does not know, skipped.
+    pub unknown_events: IntCounterVec,
     /// Replay requests, by result (`filled`, `short`: the buffer no longer reached back far
     /// enough, `failed`).
     pub replays: IntCounterVec,
@@ -434,6 +436,11 @@ impl Metrics {
                     "KV event messages that could not be decoded.",
                     &["backend"],
                 ),
+                unknown_events: counter(
+                    "headroom_kv_events_unknown_total",
+                    "KV events of a type headroom does not know (skipped).",
+                    &["backend"],
+                ),
                 replays: counter(
                     "headroom_kv_events_replays_total",
                     "KV event replay requests, by result (filled, short, failed).",
@@ -507,6 +514,7 @@ impl Metrics {
             Box::new(m.kv_events.losses.clone()),
             Box::new(m.kv_events.restarts.clone()),
             Box::new(m.kv_events.decode_errors.clone()),
+            Box::new(m.kv_events.unknown_events.clone()),
             Box::new(m.kv_events.replays.clone()),
             Box::new(m.kv_events.state.clone()),
             Box::new(m.kv_events.blocks.clone()),

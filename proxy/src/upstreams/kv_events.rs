@@ -6,7 +6,7 @@
 //! |---|---|
 //! | connect | SUB to `kv_events` (retried every second until it holds; the socket reconnects by itself after that) |
 //! | catch up | with a replay endpoint: ask for every buffered batch from the next expected number (0 at first); an empty answer means the engine has published nothing, so its cache is empty |
-//! | disconnect | the replica is `missing` (routing falls back to the approximate index) until the socket reconnects; then it catches up as above |
+//! | disconnect | the replica is `missing` (routing falls back to the approximate index) until the socket reconnects; then the replay of the last batch applied must show the same engine timestamp (else: restarted, or nothing to check against: the picture is rebuilt) before it catches up as above |
 //! | each batch | `[topic, seq, payload]`: in order → applied; ahead → the missed range is replayed first; behind → the engine restarted, its picture is cleared |
 //! | undecodable batch | counted; the picture is cleared and marked partial (it would otherwise miss that batch's evictions) |
 //!
@@ -68,6 +68,11 @@ pub async fn subscribe_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     let m = StreamMetrics::new(&metrics.kv_events, &src.name);
+    // However the task ends (stopped, or a panic), routing stops trusting the picture.
+    let _missing = MarkMissing {
+        index: index.clone(),
+        id: src.id,
+    };
     loop {
         let mut sub = zeromq::SubSocket::new();
         let connected = tokio::select! {
@@ -81,27 +86,24 @@ pub async fn subscribe_loop(
             }
         }
         let mut monitor = sub.monitor();
-        lock(&index).set_connected(src.id, true);
         tracing::info!(backend = %src.name, endpoint = %src.endpoint, "following KV events");
         // Sequence numbers a replay covered: live copies of them may still be queued.
-        let mut replayed = None;
-        if src.replay.is_some() {
-            let from = lock(&index).next_seq(src.id).unwrap_or(0);
-            replayed = catch_up(&src, &index, &m, from, None).await;
-        }
+        let mut replayed = rejoin(&src, &index, &m).await;
+        lock(&index).set_connected(src.id, true);
         loop {
             tokio::select! {
                 () = stopped(&mut stop) => return,
                 ev = monitor.next() => match ev {
-                    Some(SocketEvent::Disconnected(_)) => lock(&index).set_connected(src.id, false),
+                    Some(SocketEvent::Disconnected(_)) => {
+                        lock(&index).set_connected(src.id, false);
+                        replayed = None;
+                    }
                     Some(SocketEvent::Connected(..)) => {
-                        // Back after a disconnect: what was published meanwhile comes from the
-                        // replay (a restarted engine shows itself by numbering from 0 again).
+                        // Back after a disconnect (the socket reconnects by itself): the picture
+                        // is trusted again only once the engine is known to be the same process
+                        // and what it published meanwhile is replayed.
+                        replayed = rejoin(&src, &index, &m).await;
                         lock(&index).set_connected(src.id, true);
-                        if src.replay.is_some() {
-                            let from = lock(&index).next_seq(src.id).unwrap_or(0);
-                            replayed = catch_up(&src, &index, &m, from, None).await;
-                        }
                     }
                     Some(_) => {}
                     None => break,
@@ -119,6 +121,75 @@ pub async fn subscribe_loop(
     }
 }
 
+/// Marks the replica's stream missing when dropped.
+struct MarkMissing {
+    index: Index,
+    id: BackendId,
+}
+
+impl Drop for MarkMissing {
+    fn drop(&mut self) {
+        lock(&self.index).set_connected(self.id, false);
+    }
+}
+
+/// After (re)connecting: checks that the engine is still the process the picture describes (its
+/// replay still holds the last batch applied, with the same timestamp), then catches up. A
+/// different timestamp is a restart; no such batch (or no replay socket) leaves nothing to check
+/// against, so the picture is rebuilt from what the replay and the stream bring. Returns the range
+/// a replay covered.
+async fn rejoin(src: &EventSource, index: &Index, m: &StreamMetrics) -> Option<(u64, u64)> {
+    let (next, last) = {
+        let ix = lock(index);
+        (ix.next_seq(src.id), ix.last_batch(src.id))
+    };
+    let Some(endpoint) = &src.replay else {
+        if next.is_some() {
+            lock(index).forget(src.id);
+        }
+        return None;
+    };
+    let Some((seq, ts)) = last.filter(|_| next.is_some()) else {
+        return catch_up(src, index, m, next.unwrap_or(0), None).await;
+    };
+    let batches = match replay(endpoint, seq, src.replay_timeout).await {
+        Ok(b) => b,
+        Err(e) => {
+            m.replay_failed.inc();
+            tracing::warn!(backend = %src.name, "KV event replay from {seq} failed: {e}");
+            lock(index).forget(src.id);
+            m.losses.inc();
+            return None;
+        }
+    };
+    // The same engine still holds batch `seq` (it is in its buffer, or newer batches pushed it
+    // out); an empty answer or another timestamp at `seq` means a new process.
+    let first = batches
+        .first()
+        .map(|(s, p)| (*s, decode_batch(p).map(|b| b.ts).ok()));
+    match first {
+        Some((s, Some(t))) if s == seq && t == ts => {
+            m.replay_filled.inc();
+            for (s, payload) in &batches {
+                apply(src, index, m, *s, payload);
+            }
+            batches.last().map(|(l, _)| (seq, *l))
+        }
+        Some((s, _)) if s > seq => {
+            m.replay_short.inc();
+            m.losses.inc();
+            lock(index).forget(src.id);
+            catch_up(src, index, m, 0, None).await
+        }
+        _ => {
+            tracing::info!(backend = %src.name, "engine restarted while disconnected: its cached blocks are forgotten");
+            m.restarts.inc();
+            lock(index).restarted(src.id);
+            catch_up(src, index, m, 0, None).await
+        }
+    }
+}
+
 async fn stopped(stop: &mut watch::Receiver<bool>) {
     // Holding the receiver's guard across an await would make the task unsendable.
     let _ = stop.wait_for(|s| *s).await.map(|_| ());
@@ -132,6 +203,7 @@ pub struct StreamMetrics {
     losses: prometheus::IntCounter,
     restarts: prometheus::IntCounter,
     decode_errors: prometheus::IntCounter,
+    unknown_events: prometheus::IntCounter,
     replay_filled: prometheus::IntCounter,
     replay_short: prometheus::IntCounter,
     replay_failed: prometheus::IntCounter,
@@ -148,6 +220,7 @@ impl StreamMetrics {
             losses: vecs.losses.with_label_values(&b),
             restarts: vecs.restarts.with_label_values(&b),
             decode_errors: vecs.decode_errors.with_label_values(&b),
+            unknown_events: vecs.unknown_events.with_label_values(&b),
             replay_filled: replay("filled"),
             replay_short: replay("short"),
             replay_failed: replay("failed"),
@@ -171,7 +244,8 @@ async fn on_message(
     msg: ZmqMessage,
     replayed: &mut Option<(u64, u64)>,
 ) {
-    let Some((seq, payload)) = frames(msg) else {
+    // u64::MAX marks the end of a replay; it is never a batch's number.
+    let Some((seq, payload)) = frames(msg).filter(|(s, _)| *s != u64::MAX) else {
         m.decode_errors.inc();
         return;
     };
@@ -201,7 +275,15 @@ async fn on_message(
 fn apply(src: &EventSource, index: &Index, m: &StreamMetrics, seq: u64, payload: &[u8]) {
     match decode_batch(payload) {
         Ok(batch) => {
-            let applied = lock(index).apply(src.id, seq, &batch.events);
+            let applied = {
+                let mut ix = lock(index);
+                let applied = ix.apply(src.id, seq, &batch.events);
+                ix.note_batch_ts(src.id, seq, batch.ts);
+                applied
+            };
+            if batch.unknown > 0 {
+                m.unknown_events.inc_by(batch.unknown as u64);
+            }
             match applied {
                 Applied::InOrder => m.batches.inc(),
                 Applied::AfterLoss => {
