@@ -114,7 +114,15 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
         "interactive {ti:?}, default {t1:?} {t2:?}"
     );
 
-    // At rest: no permit held, nobody queued, the refusals counted by reason.
+    // At rest: no permit held, nobody queued, the refusals counted by reason. The proxy releases
+    // a permit when it has finished the request (after the client read the last byte), so rest
+    // is waited for, within a bound.
+    let t0 = std::time::Instant::now();
+    while (admission.slots()[0].1 != 0 || p.fleet.backends[0].load().in_flight != 0)
+        && t0.elapsed() < Duration::from_secs(5)
+    {
+        tokio::task::yield_now().await;
+    }
     assert_eq!(admission.slots(), vec![(Some(1), 0)]);
     assert!(admission.queued().is_empty());
     let metrics = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
