@@ -47,6 +47,7 @@ fn bench(c: &mut Criterion) {
         block_tokens: 16,
         prompt_tokens: 4096,
         session: None,
+        not_engine_chain: false,
     };
     c.bench_function("prefix_index_overlaps_256_blocks_8_replicas", |b| {
         b.iter(|| policy.with_index(|ix| ix.overlaps(std::hint::black_box(&prompt))))

@@ -308,6 +308,7 @@ impl Headroom {
                 .as_ref()
                 .map_or((body.len() / 4) as u32, |i| i.prompt_tokens),
             session: session_key.as_deref(),
+            not_engine_chain: inspected.as_ref().is_some_and(|i| i.engine_error.is_some()),
         };
         let out = Outgoing {
             body,

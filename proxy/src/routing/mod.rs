@@ -68,6 +68,10 @@ pub struct RouteRequest<'a> {
     pub prompt_tokens: u32,
     /// Session affinity key (e.g. a header), when present.
     pub session: Option<&'a str>,
+    /// The blocks are headroom's own chain although the engine's was asked for (its tokens could
+    /// not be made): they can match only the approximate index, and the engine will never confirm
+    /// them.
+    pub not_engine_chain: bool,
 }
 
 impl RouteRequest<'_> {

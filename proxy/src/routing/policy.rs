@@ -283,6 +283,9 @@ impl RoutingPolicy for KvEvents {
 
     fn record(&self, req: &RouteRequest<'_>, pick: &Pick) {
         self.approx.record(req, pick);
+        if req.not_engine_chain {
+            return;
+        }
         self.exact
             .lock()
             .unwrap_or_else(|e| e.into_inner())
@@ -318,6 +321,7 @@ mod tests {
             block_tokens: 16,
             prompt_tokens: prompt,
             session: None,
+            not_engine_chain: false,
         }
     }
 
@@ -540,5 +544,17 @@ mod tests {
         p.record(&req(&fresh, 40), &first);
         let second = p.select(&req(&fresh, 40), &f).unwrap();
         assert_eq!((second.backend, second.matched_tokens), (first.backend, 32));
+        // Blocks of headroom's own chain (the engine's tokens failed) are never expected from
+        // the engine: nothing is left pending for it to confirm.
+        let other = RouteRequest {
+            not_engine_chain: true,
+            ..req(&[77, 78], 40)
+        };
+        let pick = p.select(&other, &f).unwrap();
+        p.record(&other, &pick);
+        assert_eq!(
+            exact.lock().unwrap().depths(&[77, 78], Instant::now()),
+            vec![0, 0]
+        );
     }
 }
