@@ -150,17 +150,14 @@ async fn a_late_proxy_learns_the_cache_from_the_replay_and_routes_to_its_holder(
     // The requests matched the engine's blocks (so the proxy hashed them as the engine did),
     // rather than landing on b by a tie-break.
     let metrics = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
-    let matched: f64 = metrics
-        .lines()
-        .find_map(|l| l.strip_prefix("headroom_routed_matched_tokens_total "))
-        .and_then(|v| v.parse().ok())
-        .unwrap();
+    let matched = common::metric(&metrics, "headroom_routed_matched_tokens_total");
     assert!(matched >= 6.0 * 256.0, "{matched}");
     h.shutdown().await;
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_cleared_replica_stops_attracting_its_prefix_within_a_second() {
+/// Two event-publishing replicas behind a `kv_events` proxy whose streams are live, both sent the
+/// shared prefix directly; returns the first one's ports, both replicas and the proxy.
+async fn both_holding_the_prefix() -> (Ports, RunningReplica, RunningReplica, ServeHandle) {
     let (pa, pb) = (Ports::new(), Ports::new());
     let (a, b) = (replica(pa).await, replica(pb).await);
     let h = kv_proxy(&[(&a, pa), (&b, pb)]).await;
@@ -169,9 +166,15 @@ async fn a_cleared_replica_stops_attracting_its_prefix_within_a_second() {
     })
     .await;
     let shared = shared_text();
-    // Both replicas hold the prefix (sent to each directly).
     complete(&a.url(), &prompt(&shared, 0)).await;
     complete(&b.url(), &prompt(&shared, 0)).await;
+    (pa, a, b, h)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_cleared_replica_stops_attracting_its_prefix_within_a_second() {
+    let (_, a, b, h) = both_holding_the_prefix().await;
+    let shared = shared_text();
     let both = |s: &[Value]| s.iter().all(|k| k["blocks"].as_u64() > Some(0));
     wait_for(&h, Duration::from_secs(5), both).await;
     let held = kv_stats(&h).await[0]["blocks"].as_u64().unwrap();
@@ -198,16 +201,8 @@ async fn a_cleared_replica_stops_attracting_its_prefix_within_a_second() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_restarted_replica_is_forgotten_at_its_first_event() {
-    let (pa, pb) = (Ports::new(), Ports::new());
-    let (a, b) = (replica(pa).await, replica(pb).await);
-    let h = kv_proxy(&[(&a, pa), (&b, pb)]).await;
-    wait_for(&h, Duration::from_secs(5), |s| {
-        s.iter().all(|k| k["state"] == "live")
-    })
-    .await;
+    let (pa, a, b, h) = both_holding_the_prefix().await;
     let shared = shared_text();
-    complete(&a.url(), &prompt(&shared, 0)).await;
-    complete(&b.url(), &prompt(&shared, 0)).await;
     // Several batches on a, so its restarted numbering starts visibly behind.
     for tail in 100..103 {
         complete(&a.url(), &prompt(&format!("other{tail}{shared}"), tail)).await;
@@ -222,19 +217,7 @@ async fn a_restarted_replica_is_forgotten_at_its_first_event() {
     a.shutdown().await.unwrap();
     let t0 = Instant::now();
     let a = loop {
-        let args = headroom_sim::SimArgs::from_flags([
-            "--latency-model",
-            "constant",
-            "--time-to-first-token",
-            "5",
-            "--inter-token-latency",
-            "1",
-            "--max-model-len",
-            "200000",
-            "--kv-events-config",
-            &pa.sim_config(),
-        ])
-        .unwrap();
+        let args = common::sim_args(5, 1, &["--kv-events-config", &pa.sim_config()]);
         match args.build_replica(0) {
             Ok(r) => break headroom_sim::start_replica(r, addr).await.unwrap(),
             // The old publisher may still hold its port for a moment.
@@ -520,16 +503,13 @@ async fn vllm_hashes_from_the_models_tokenizer_match_the_engines_events() {
     resp.text().await.unwrap();
     assert_eq!(backend, name(&b));
     let metrics = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
-    let metric = |name: &str| -> f64 {
-        metrics
-            .lines()
-            .find_map(|l| l.strip_prefix(name).and_then(|v| v.trim().parse().ok()))
-            .unwrap_or(f64::NAN)
-    };
     assert_eq!(
-        metric("headroom_routed_matched_tokens_total "),
+        common::metric(&metrics, "headroom_routed_matched_tokens_total"),
         (hashes.len() * 16) as f64
     );
-    assert_eq!(metric("headroom_engine_tokens_failed_total "), 0.0);
+    assert_eq!(
+        common::metric(&metrics, "headroom_engine_tokens_failed_total"),
+        0.0
+    );
     h.shutdown().await;
 }

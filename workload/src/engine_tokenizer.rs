@@ -211,31 +211,33 @@ fn environment(source: String) -> Result<Environment<'static>, minijinja::Error>
 /// transformers' `tojson`: Python's `json.dumps(x, ensure_ascii=False)`, so `", "` and `": "`
 /// between items (minijinja's own is compact and HTML-escaped); with `indent`, Python's indented form.
 fn tojson(value: Value, kwargs: minijinja::value::Kwargs) -> Result<String, minijinja::Error> {
+    let invalid = |e: &dyn std::fmt::Display| {
+        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
+    };
     let indent: Option<usize> = kwargs.get("indent")?;
     kwargs.assert_all_used()?;
-    let json = serde_json::to_value(&value).map_err(|e| {
-        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
-    })?;
-    let mut out = Vec::new();
-    let written = match indent {
+    let json = serde_json::to_value(&value).map_err(|e| invalid(&e))?;
+    let out = match indent {
         Some(n) => {
             let pad = vec![b' '; n];
             let fmt = serde_json::ser::PrettyFormatter::with_indent(&pad);
-            serde::Serialize::serialize(
-                &json,
-                &mut serde_json::Serializer::with_formatter(&mut out, fmt),
-            )
+            write_json(&json, fmt)
         }
-        None => serde::Serialize::serialize(
-            &json,
-            &mut serde_json::Serializer::with_formatter(&mut out, PythonFormatter),
-        ),
+        None => write_json(&json, PythonFormatter),
     };
-    written.map_err(|e| {
-        minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string())
-    })?;
-    String::from_utf8(out)
-        .map_err(|e| minijinja::Error::new(minijinja::ErrorKind::InvalidOperation, e.to_string()))
+    String::from_utf8(out.map_err(|e| invalid(&e))?).map_err(|e| invalid(&e))
+}
+
+fn write_json<F: serde_json::ser::Formatter>(
+    json: &serde_json::Value,
+    fmt: F,
+) -> Result<Vec<u8>, serde_json::Error> {
+    let mut out = Vec::new();
+    serde::Serialize::serialize(
+        json,
+        &mut serde_json::Serializer::with_formatter(&mut out, fmt),
+    )?;
+    Ok(out)
 }
 
 /// `json.dumps`'s default separators: `", "` between items, `": "` after keys.
@@ -259,11 +261,7 @@ impl serde_json::ser::Formatter for PythonFormatter {
         writer: &mut W,
         first: bool,
     ) -> std::io::Result<()> {
-        if first {
-            Ok(())
-        } else {
-            writer.write_all(b", ")
-        }
+        self.begin_array_value(writer, first)
     }
 
     fn begin_object_value<W: ?Sized + std::io::Write>(

@@ -175,17 +175,40 @@ pub fn inspect(
     body: &[u8],
     cfg: &InspectConfig,
 ) -> Result<Inspected, InspectError> {
+    let (rendered, params, extra_prompt_tokens) = parse(endpoint, body)?;
     if let Chain::Vllm(vllm) = &cfg.chain {
-        return inspect_engine(endpoint, body, cfg, vllm);
+        return inspect_engine(
+            endpoint,
+            body,
+            cfg,
+            vllm,
+            (rendered, params, extra_prompt_tokens),
+        );
     }
+    let hashed = hash_headroom(rendered, &params, cfg);
+    Ok(finish(
+        endpoint,
+        params,
+        hashed.prompt_tokens + extra_prompt_tokens,
+        hashed,
+        None,
+    ))
+}
+
+/// The prompt (rendered with headroom's template, or token ids), the generation parameters, and
+/// the prompt tokens of a completion batch's other prompts; errors for bodies without a prompt.
+fn parse(
+    endpoint: Endpoint,
+    body: &[u8],
+) -> Result<(Rendered, GenerationParams, usize), InspectError> {
     let bad = |e: serde_json::Error| InspectError::Body(e.to_string());
-    let (rendered, params, extra_prompt_tokens) = match endpoint {
+    match endpoint {
         Endpoint::Chat => {
             let b: ChatBody = serde_json::from_slice(body).map_err(bad)?;
             if b.messages.is_empty() {
                 return Err(InspectError::EmptyPrompt);
             }
-            (Rendered::Text(render_chat(&b.messages)), b.params, 0)
+            Ok((Rendered::Text(render_chat(&b.messages)), b.params, 0))
         }
         Endpoint::Completions => {
             let b: CompletionBody = serde_json::from_slice(body).map_err(bad)?;
@@ -209,10 +232,21 @@ pub fn inspect(
                 Rendered::Tokens(ids) if ids.is_empty() => return Err(InspectError::EmptyPrompt),
                 tokens => tokens,
             };
-            (first, b.params, rest)
+            Ok((first, b.params, rest))
         }
-    };
+    }
+}
 
+/// A prompt's blocks in one chain.
+struct Hashed {
+    prompt_tokens: usize,
+    hashed_tokens: u32,
+    blocks: Vec<BlockHash>,
+    tail_hash: Option<BlockHash>,
+}
+
+/// headroom's chain (or the simulator's) over headroom's tokens.
+fn hash_headroom(rendered: Rendered, params: &GenerationParams, cfg: &InspectConfig) -> Hashed {
     let max = cfg.max_hashed_tokens as usize;
     let (tokens, prompt_tokens) = match rendered {
         Rendered::Tokens(mut ids) => {
@@ -222,14 +256,7 @@ pub fn inspect(
         }
         Rendered::Text(text) => tokens_of(&text, max),
     };
-    let seed = match cfg.chain {
-        Chain::Sim => cfg.hash_seed,
-        _ => xxh3_64_with_seed(
-            params.model.as_deref().unwrap_or("").as_bytes(),
-            cfg.hash_seed,
-        ),
-    };
-    let hasher = BlockHasher::new(cfg.block_tokens.max(1) as usize, seed);
+    let hasher = BlockHasher::new(cfg.block_tokens.max(1) as usize, headroom_seed(params, cfg));
     let extra = params.cache_salt.as_deref().unwrap_or("").as_bytes();
     let blocks = hasher.hash_all(&tokens, extra);
     let hashed_tokens = (blocks.len() * hasher.block_size()) as u32;
@@ -240,7 +267,32 @@ pub fn inspect(
             extra,
         )
     });
-    Ok(Inspected {
+    Hashed {
+        prompt_tokens,
+        hashed_tokens,
+        blocks,
+        tail_hash,
+    }
+}
+
+fn headroom_seed(params: &GenerationParams, cfg: &InspectConfig) -> u64 {
+    match cfg.chain {
+        Chain::Sim => cfg.hash_seed,
+        _ => xxh3_64_with_seed(
+            params.model.as_deref().unwrap_or("").as_bytes(),
+            cfg.hash_seed,
+        ),
+    }
+}
+
+fn finish(
+    endpoint: Endpoint,
+    params: GenerationParams,
+    prompt_tokens: usize,
+    hashed: Hashed,
+    engine_error: Option<String>,
+) -> Inspected {
+    Inspected {
         endpoint,
         stream: params.stream,
         include_usage: params.include_usage(),
@@ -248,12 +300,12 @@ pub fn inspect(
         max_tokens: params.requested_max_tokens(),
         deterministic: params.temperature == Some(0.0) || params.seed.is_some(),
         model: params.model,
-        prompt_tokens: (prompt_tokens + extra_prompt_tokens).min(u32::MAX as usize) as u32,
-        hashed_tokens,
-        blocks,
-        tail_hash,
-        engine_error: None,
-    })
+        prompt_tokens: prompt_tokens.min(u32::MAX as usize) as u32,
+        hashed_tokens: hashed.hashed_tokens,
+        blocks: hashed.blocks,
+        tail_hash: hashed.tail_hash,
+        engine_error,
+    }
 }
 
 /// Under [`Chain::Vllm`]: the engine's own tokens hashed in its chain; when the template or the
@@ -263,74 +315,85 @@ fn inspect_engine(
     body: &[u8],
     cfg: &InspectConfig,
     vllm: &VllmChain,
+    (rendered, params, extra_prompt_tokens): (Rendered, GenerationParams, usize),
 ) -> Result<Inspected, InspectError> {
-    let mut headroom = inspect(
-        endpoint,
-        body,
-        &InspectConfig {
-            chain: Chain::Headroom,
-            ..cfg.clone()
-        },
-    )?;
     let raw: serde_json::Value =
         serde_json::from_slice(body).map_err(|e| InspectError::Body(e.to_string()))?;
-    let special = raw
-        .get("add_special_tokens")
-        .and_then(serde_json::Value::as_bool);
-    let t = &vllm.tokenizer;
-    let tokens = match endpoint {
-        Endpoint::Chat => t
-            .render_chat(&raw)
-            .and_then(|text| t.encode(&text, special.unwrap_or(false))),
-        Endpoint::Completions => match raw.get("prompt") {
-            Some(serde_json::Value::String(text)) => t.encode(text, special.unwrap_or(true)),
-            Some(serde_json::Value::Array(items)) => match items.first() {
-                Some(serde_json::Value::String(text)) => t.encode(text, special.unwrap_or(true)),
-                // Token ids (or a batch of them): the engine takes them as they are.
-                Some(serde_json::Value::Number(_)) => Ok(ids_of(items)),
-                Some(serde_json::Value::Array(first)) => Ok(ids_of(first)),
-                _ => Ok(Vec::new()),
-            },
-            _ => Ok(Vec::new()),
-        },
-    };
-    let mut tokens = match tokens {
+    let (mut tokens, batch_rest) = match engine_tokens(endpoint, &raw, &vllm.tokenizer) {
         Ok(t) => t,
         Err(e) => {
-            headroom.engine_error = Some(e.to_string());
-            return Ok(headroom);
+            // Under the vLLM chain headroom_seed is headroom's own (model-seeded).
+            let hashed = hash_headroom(rendered, &params, cfg);
+            let n = hashed.prompt_tokens + extra_prompt_tokens;
+            return Ok(finish(endpoint, params, n, hashed, Some(e.to_string())));
         }
     };
-    let cache_salt = raw.get("cache_salt").and_then(serde_json::Value::as_str);
-    // The other prompts of a batch are work too; only the first is hashed.
-    let mut batch_rest = 0usize;
-    if let (Endpoint::Completions, Some(serde_json::Value::Array(items))) =
-        (endpoint, raw.get("prompt"))
-    {
-        if items.first().is_some_and(|f| !f.is_number()) {
-            for p in &items[1..] {
-                batch_rest += match p {
-                    serde_json::Value::String(text) => t
-                        .encode(text, special.unwrap_or(true))
-                        .map_or(0, |ids| ids.len()),
-                    serde_json::Value::Array(ids) => ids.len(),
-                    _ => 0,
-                };
-            }
-        }
-    }
     let n = tokens.len();
     tokens.truncate(cfg.max_hashed_tokens as usize);
+    let cache_salt = params.cache_salt.as_deref();
     let blocks = vllm.hasher.hash_all(&tokens, cache_salt);
-    headroom.hashed_tokens = (blocks.len() * vllm.hasher.block_size()) as u32;
-    headroom.blocks = blocks;
-    headroom.prompt_tokens = u32::try_from(n + batch_rest).unwrap_or(u32::MAX);
-    // headroom's tail hash still identifies the exact prompt (for the capture) when the engine's
-    // tokens were hashed whole.
-    if n > cfg.max_hashed_tokens as usize {
-        headroom.tail_hash = None;
+    let hashed_tokens = blocks.len() * vllm.hasher.block_size();
+    // An identity for the exact prompt (the capture's), chained to the engine's last block.
+    let tail_hash = (tokens.len() == n).then(|| {
+        BlockHasher::new(vllm.hasher.block_size(), headroom_seed(&params, cfg)).hash_block(
+            blocks.last().copied(),
+            &tokens[hashed_tokens..],
+            cache_salt.unwrap_or("").as_bytes(),
+        )
+    });
+    let hashed = Hashed {
+        prompt_tokens: n,
+        hashed_tokens: hashed_tokens as u32,
+        blocks,
+        tail_hash,
+    };
+    Ok(finish(endpoint, params, n + batch_rest, hashed, None))
+}
+
+/// The engine's token ids of the (first) prompt, and the token count of a completion batch's
+/// other prompts.
+fn engine_tokens(
+    endpoint: Endpoint,
+    raw: &serde_json::Value,
+    t: &EngineTokenizer,
+) -> Result<(Vec<u32>, usize), crate::engine_tokenizer::EngineTokenizerError> {
+    use serde_json::Value;
+    let special = raw.get("add_special_tokens").and_then(Value::as_bool);
+    let text_tokens = |text: &str| t.encode(text, special.unwrap_or(true));
+    let prompt = match endpoint {
+        Endpoint::Chat => {
+            let text = t.render_chat(raw)?;
+            return Ok((t.encode(&text, special.unwrap_or(false))?, 0));
+        }
+        Endpoint::Completions => raw.get("prompt"),
+    };
+    match prompt {
+        Some(Value::String(text)) => Ok((text_tokens(text)?, 0)),
+        // Token ids: the engine takes them as they are.
+        Some(Value::Array(items)) if items.first().is_some_and(Value::is_number) => {
+            Ok((ids_of(items), 0))
+        }
+        // A batch: the first prompt is hashed; the others are work too.
+        Some(Value::Array(items)) => {
+            let tokens_of = |p: &Value| match p {
+                Value::String(text) => text_tokens(text),
+                Value::Array(ids) => Ok(ids_of(ids)),
+                _ => Ok(Vec::new()),
+            };
+            let first = items
+                .first()
+                .map(tokens_of)
+                .transpose()?
+                .unwrap_or_default();
+            let rest = items
+                .iter()
+                .skip(1)
+                .map(|p| tokens_of(p).map_or(0, |ids| ids.len()))
+                .sum();
+            Ok((first, rest))
+        }
+        _ => Ok((Vec::new(), 0)),
     }
-    Ok(headroom)
 }
 
 fn ids_of(items: &[serde_json::Value]) -> Vec<u32> {

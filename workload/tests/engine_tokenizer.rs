@@ -19,6 +19,18 @@ fn vectors() -> Vec<Value> {
     serde_json::from_str(&text).unwrap()
 }
 
+/// vLLM's chain over the fixture tokenizer, PYTHONHASHSEED=0, 16-token blocks.
+fn vllm_config() -> InspectConfig {
+    let chain = Chain::Vllm(Arc::new(VllmChain {
+        tokenizer: EngineTokenizer::load(&fixture().join("tokenizer.json"), None).unwrap(),
+        hasher: VllmHasher::new(16, Some("0"), SaltKeys::Tagged),
+    }));
+    InspectConfig {
+        chain,
+        ..InspectConfig::default()
+    }
+}
+
 fn ids(v: &Value) -> Vec<u32> {
     v.as_array()
         .unwrap()
@@ -47,14 +59,7 @@ fn rendering_and_tokens_match_transformers() {
 
 #[test]
 fn inspection_hashes_what_vllm_would_publish() {
-    let chain = Chain::Vllm(Arc::new(VllmChain {
-        tokenizer: EngineTokenizer::load(&fixture().join("tokenizer.json"), None).unwrap(),
-        hasher: VllmHasher::new(16, Some("0"), SaltKeys::Tagged),
-    }));
-    let cfg = InspectConfig {
-        chain,
-        ..InspectConfig::default()
-    };
+    let cfg = vllm_config();
     for v in vectors() {
         let endpoint = match v["endpoint"].as_str().unwrap() {
             "chat" => Endpoint::Chat,
@@ -78,14 +83,7 @@ fn inspection_hashes_what_vllm_would_publish() {
 
 #[test]
 fn a_template_that_fails_falls_back_to_headroom_hashes_with_the_reason() {
-    let chain = Chain::Vllm(Arc::new(VllmChain {
-        tokenizer: EngineTokenizer::load(&fixture().join("tokenizer.json"), None).unwrap(),
-        hasher: VllmHasher::new(16, Some("0"), SaltKeys::Tagged),
-    }));
-    let cfg = InspectConfig {
-        chain,
-        ..InspectConfig::default()
-    };
+    let cfg = vllm_config();
     // The fixture's template refuses unknown roles with raise_exception.
     let body = br#"{"model":"m","messages":[{"role":"narrator","content":"Once upon a time"}]}"#;
     let i = inspect(Endpoint::Chat, body, &cfg).unwrap();

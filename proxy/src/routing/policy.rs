@@ -250,23 +250,24 @@ impl KvEvents {
 
     /// Each replica's matched depth and state at `now`.
     pub fn depths(&self, blocks: &[BlockHash], now: Instant) -> Vec<(usize, StreamState)> {
-        let approx = self.approx.with_index(|ix| ix.overlaps(blocks));
-        let ix = self.exact.lock().unwrap_or_else(|e| e.into_inner());
-        let exact = ix.depths(blocks, now);
-        exact
-            .into_iter()
-            .enumerate()
-            .map(|(id, e)| {
+        let mut out: Vec<(usize, StreamState)> = {
+            let ix = self.exact.lock().unwrap_or_else(|e| e.into_inner());
+            let states = (0..ix.len()).map(|id| ix.state(id, now));
+            ix.depths(blocks, now).into_iter().zip(states).collect()
+        };
+        // The approximate index is walked only when some replica needs it.
+        if out.iter().any(|(_, s)| *s != StreamState::Live) {
+            let approx = self.approx.with_index(|ix| ix.overlaps(blocks));
+            for (id, (d, state)) in out.iter_mut().enumerate() {
                 let a = approx.iter().find(|(r, _)| *r == id).map_or(0, |(_, d)| *d);
-                let state = ix.state(id, now);
-                let d = match state {
-                    StreamState::Live => e,
-                    StreamState::Partial => e.max(a),
+                *d = match state {
+                    StreamState::Live => *d,
+                    StreamState::Partial => (*d).max(a),
                     StreamState::Stale | StreamState::Missing => a,
                 };
-                (d, state)
-            })
-            .collect()
+            }
+        }
+        out
     }
 }
 

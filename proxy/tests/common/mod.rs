@@ -10,9 +10,9 @@ use headroom_proxy::ServeHandle;
 use headroom_sim::{RunningReplica, SimArgs, start_replica};
 use headroom_workload::trace::{TraceRecord, read_jsonl};
 
-/// A simulated replica on port 0 with constant step times (`ttft_ms` for a step with prefill,
+/// Flags of a simulated replica with constant step times (`ttft_ms` for a step with prefill,
 /// `itl_ms` otherwise), room for long prompts, and `extra` flags after those (later flags win).
-pub async fn sim(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> RunningReplica {
+pub fn sim_args(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> SimArgs {
     let (ttft, itl) = (ttft_ms.to_string(), itl_ms.to_string());
     let mut flags = vec![
         "--latency-model",
@@ -25,13 +25,27 @@ pub async fn sim(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> RunningReplica {
         "200000",
     ];
     flags.extend_from_slice(extra);
-    let args = SimArgs::from_flags(flags).expect("valid simulator flags");
+    SimArgs::from_flags(flags).expect("valid simulator flags")
+}
+
+/// A simulated replica of [`sim_args`] on port 0.
+pub async fn sim(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> RunningReplica {
     start_replica(
-        args.build_replica(0).expect("a replica"),
+        sim_args(ttft_ms, itl_ms, extra)
+            .build_replica(0)
+            .expect("a replica"),
         "127.0.0.1:0".parse().expect("an address"),
     )
     .await
     .expect("the replica starts")
+}
+
+/// The value of the unlabelled metric `name` in a Prometheus exposition (NaN when absent).
+pub fn metric(exposition: &str, name: &str) -> f64 {
+    exposition
+        .lines()
+        .find_map(|l| l.strip_prefix(name)?.strip_prefix(' ')?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
 }
 
 /// The body of `GET url`, as text.
