@@ -63,6 +63,63 @@ pub struct ServeConfig {
     /// Listening to the engines' KV events (the `kv_events` policy).
     #[serde(default)]
     pub kv_events: KvEventsConfig,
+    /// Who may use the proxy, and which client headers are trusted.
+    #[serde(default)]
+    pub security: SecurityConfig,
+}
+
+/// Client authentication and the treatment of client-supplied forwarding headers.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct SecurityConfig {
+    /// API keys clients present as `Authorization: Bearer KEY`; none configured means no key is
+    /// asked for (and the client's `Authorization` passes through to the engine).
+    pub api_keys: Vec<ApiKeyConfig>,
+    /// Keep the client's `X-Forwarded-*`, `Forwarded` and `X-Real-IP` headers (extending
+    /// `X-Forwarded-For`); only behind a load balancer that sets them itself.
+    pub trust_forwarded_headers: bool,
+}
+
+/// One client API key. The config holds its SHA-256 digest or the name of the environment
+/// variable that holds it, never the key itself.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ApiKeyConfig {
+    /// Name in metrics and logs.
+    pub name: String,
+    /// Hex SHA-256 of the key (`printf %s "$KEY" | sha256sum`).
+    #[serde(default)]
+    pub sha256: Option<String>,
+    /// Environment variable holding the key.
+    #[serde(default)]
+    pub env: Option<String>,
+    /// Class of every request made with this key (the class header is then ignored).
+    #[serde(default)]
+    pub class: Option<String>,
+    /// Requests per second allowed to this key, on average.
+    #[serde(default)]
+    pub rate_per_s: Option<f64>,
+    /// Requests allowed at once above the average (default: the rate rounded up, at least 1).
+    #[serde(default)]
+    pub burst: Option<u32>,
+}
+
+impl ApiKeyConfig {
+    /// The burst the rate limit allows.
+    pub fn burst_or_default(&self) -> u32 {
+        self.burst
+            .unwrap_or_else(|| self.rate_per_s.map_or(1, |r| r.ceil().max(1.0) as u32))
+    }
+}
+
+/// Whether `s` is 64 hex digits.
+fn is_sha256_hex(s: &str) -> bool {
+    s.len() == 64 && s.bytes().all(|b| b.is_ascii_hexdigit())
+}
+
+/// Checks that the environment variable named `var` is set and not empty.
+fn env_is_set(var: &str) -> bool {
+    std::env::var(var).is_ok_and(|v| !v.is_empty())
 }
 
 /// How the proxy follows the engines' KV cache events.
@@ -153,6 +210,10 @@ pub struct BackendConfig {
     /// The engine's replay endpoint (`replay_endpoint`), to fill gaps in the stream.
     #[serde(default)]
     pub kv_events_replay: Option<String>,
+    /// Environment variable holding the engine's own `--api-key`: sent to this replica as
+    /// `Authorization: Bearer`, in place of whatever the client sent.
+    #[serde(default)]
+    pub api_key_env: Option<String>,
 }
 
 impl BackendConfig {
@@ -163,6 +224,7 @@ impl BackendConfig {
             name: None,
             kv_events: None,
             kv_events_replay: None,
+            api_key_env: None,
         }
     }
 
@@ -542,6 +604,7 @@ impl ServeConfig {
             admission: AdmissionConfig::default(),
             pools: Vec::new(),
             kv_events: KvEventsConfig::default(),
+            security: SecurityConfig::default(),
         }
     }
 
@@ -586,6 +649,79 @@ impl ServeConfig {
             Ok(self)
         } else {
             Err(errors)
+        }
+    }
+}
+
+impl ServeConfig {
+    fn validate_security(&self, p: &str, e: &mut Vec<FieldError>) {
+        let mut names = std::collections::HashSet::new();
+        for (i, k) in self.security.api_keys.iter().enumerate() {
+            let kp = field_path(p, &format!("security.api_keys[{i}]"));
+            check(
+                e,
+                !k.name.is_empty() && names.insert(k.name.clone()),
+                &kp,
+                "name",
+                &k.name,
+                "names must be unique and not empty",
+            );
+            match (&k.sha256, &k.env) {
+                (Some(h), None) => check(
+                    e,
+                    is_sha256_hex(h),
+                    &kp,
+                    "sha256",
+                    h,
+                    "must be the 64 hex digits of the key's SHA-256",
+                ),
+                (None, Some(var)) => check(
+                    e,
+                    env_is_set(var),
+                    &kp,
+                    "env",
+                    var,
+                    "the environment variable is not set (or empty)",
+                ),
+                _ => check(
+                    e,
+                    false,
+                    &kp,
+                    "sha256",
+                    k.sha256.as_deref().unwrap_or("(none)"),
+                    "give exactly one of sha256 (the key's digest) or env (a variable holding it)",
+                ),
+            }
+            if let Some(c) = &k.class {
+                check(
+                    e,
+                    self.classes.contains_key(c),
+                    &kp,
+                    "class",
+                    c,
+                    "must name a class in [classes]",
+                );
+            }
+            if let Some(r) = k.rate_per_s {
+                check(
+                    e,
+                    r.is_finite() && r > 0.0,
+                    &kp,
+                    "rate_per_s",
+                    r,
+                    "must be a positive number of requests per second",
+                );
+            }
+            if let Some(b) = k.burst {
+                check(
+                    e,
+                    k.rate_per_s.is_some() && b >= 1,
+                    &kp,
+                    "burst",
+                    b,
+                    "needs rate_per_s, and must be at least 1",
+                );
+            }
         }
     }
 }
@@ -662,7 +798,18 @@ impl Validate for ServeConfig {
                 b.kv_events_replay.as_deref().unwrap_or(""),
                 "needs kv_events (the stream it fills gaps in)",
             );
+            if let Some(var) = &b.api_key_env {
+                check(
+                    e,
+                    env_is_set(var),
+                    &bp,
+                    "api_key_env",
+                    var,
+                    "the environment variable is not set (or empty)",
+                );
+            }
         }
+        self.validate_security(p, e);
         let k = &self.kv_events;
         let kp = field_path(p, "kv_events");
         check(
@@ -1066,6 +1213,7 @@ mod tests {
         assert_eq!(c.classes, default_classes());
         assert_eq!(c.admission, AdmissionConfig::default());
         assert_eq!(c.kv_events, KvEventsConfig::default());
+        assert_eq!(c.security, SecurityConfig::default());
         assert_eq!(
             c.capture,
             CaptureConfig {
@@ -1147,6 +1295,47 @@ hash = "pickle"
         );
         let ok = "[[backends]]\nurl = \"http://127.0.0.1:8001\"\nkv_events = \"tcp://10.0.0.5:5557\"\n[routing]\npolicy = \"kv_events\"\n";
         assert!(parse_toml::<ServeConfig>(ok, Path::new("h.toml")).is_ok());
+    }
+
+    #[test]
+    fn api_keys_hold_no_secret_and_name_real_classes() {
+        let text = r#"
+[[backends]]
+url = "http://127.0.0.1:8001"
+api_key_env = "HEADROOM_TEST_UNSET_ENGINE_KEY"
+[[security.api_keys]]
+name = "a"
+sha256 = "abc"
+[[security.api_keys]]
+name = "a"
+env = "HEADROOM_TEST_UNSET_CLIENT_KEY"
+class = "gold"
+rate_per_s = 0
+[[security.api_keys]]
+name = "both"
+burst = 3
+"#;
+        let err = parse_toml::<ServeConfig>(text, Path::new("h.toml"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "backends[0].api_key_env = HEADROOM_TEST_UNSET_ENGINE_KEY: the environment variable is not set",
+            "security.api_keys[0].sha256 = abc: must be the 64 hex digits",
+            "security.api_keys[1].name = a: names must be unique",
+            "security.api_keys[1].env = HEADROOM_TEST_UNSET_CLIENT_KEY: the environment variable is not set",
+            "security.api_keys[1].class = gold: must name a class",
+            "security.api_keys[1].rate_per_s = 0: must be a positive number",
+            "security.api_keys[2].sha256 = (none): give exactly one of sha256",
+            "security.api_keys[2].burst = 3: needs rate_per_s",
+        ] {
+            assert!(err.contains(want), "missing {want:?} in\n{err}");
+        }
+        let ok = format!(
+            "[[backends]]\nurl = \"http://127.0.0.1:8001\"\n[[security.api_keys]]\nname = \"k\"\nsha256 = \"{}\"\nrate_per_s = 2.5\n",
+            "ab".repeat(32)
+        );
+        let c = parse_toml::<ServeConfig>(&ok, Path::new("h.toml")).unwrap();
+        assert_eq!(c.security.api_keys[0].burst_or_default(), 3);
     }
 
     #[test]

@@ -17,8 +17,9 @@ use pingora::http::ResponseHeader;
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 
+use crate::auth::Keys;
 use crate::error::{ErrorKind, ProxyError};
-use crate::forward::{Ended, Outgoing};
+use crate::forward::{Ended, HeaderRules, Outgoing};
 use crate::record::PromptFacts;
 use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
 use crate::telemetry::Metrics;
@@ -52,6 +53,10 @@ pub struct Headroom {
     pub admission: Option<Arc<crate::admission::Admission>>,
     /// The pools, with their members as backend masks.
     pub pools: Vec<PoolPlan>,
+    /// Client API keys, when configured.
+    pub keys: Option<Arc<Keys>>,
+    /// What forwarding removes from and sets on request headers.
+    pub headers: HeaderRules,
 }
 
 /// A pool resolved against the fleet.
@@ -137,6 +142,8 @@ pub struct RequestCtx {
     pub completed: bool,
     /// What inspection learnt (generation requests).
     pub prompt: Option<PromptFacts>,
+    /// The client's API key (its index in the configured keys), once checked.
+    pub key: Option<usize>,
 }
 
 enum Route {
@@ -172,17 +179,24 @@ impl Headroom {
             .unwrap_or(&self.pools[0])
     }
 
-    /// The class of a request: its header's, when it names a class; else the first class (by
-    /// name) listing its model, then its path; else the class of the longest prompt threshold it
-    /// reaches; else the default class.
+    /// The class of a request: its API key's, when the key has one; else its header's, when it
+    /// names a class; else the first class (by name) listing its model, then its path; else the
+    /// class of the longest prompt threshold it reaches; else the default class.
     fn classify(
         &self,
+        key: Option<usize>,
         header: Option<String>,
         model: Option<&str>,
         path: &str,
         prompt_tokens: Option<u32>,
     ) -> String {
         let classes = &self.cfg.classes;
+        let key_class = key
+            .zip(self.keys.as_ref())
+            .and_then(|(i, keys)| keys.get(i).class.clone());
+        if let Some(c) = key_class {
+            return c;
+        }
         if let Some(c) = header.filter(|c| classes.contains_key(c)) {
             return c;
         }
@@ -217,6 +231,24 @@ impl Headroom {
         let method = session.req_header().method.clone();
         let (route, name) = route_of(&path);
         ctx.route = name;
+        // Cheap refusals first: the key and its rate (a key probing unknown paths spends its
+        // rate too), the allow-list; then the body.
+        if let Some(keys) = self.keys.as_deref().filter(|_| name != "health") {
+            let auth = session.req_header().headers.get(header::AUTHORIZATION);
+            let i = keys.authenticate(auth.map(|v| v.as_bytes()))?;
+            ctx.key = Some(i);
+            let admitted = keys.admit(i);
+            let outcome = if admitted.is_ok() {
+                "accepted"
+            } else {
+                "rate_limited"
+            };
+            self.metrics
+                .key_requests
+                .with_label_values(&[keys.get(i).name.as_str(), outcome])
+                .inc();
+            admitted?;
+        }
         match route {
             Route::Unknown => Err(ProxyError::new(
                 ErrorKind::UnknownRoute,
@@ -280,6 +312,7 @@ impl Headroom {
         };
         let session_key = header(self.cfg.routing.session_header.as_str());
         ctx.class = self.classify(
+            ctx.key,
             header(self.cfg.measure.class_header.as_str()),
             inspected.as_ref().and_then(|i| i.model.as_deref()),
             path,
@@ -454,6 +487,9 @@ async fn respond(
     let _ = resp.insert_header(header::CONTENT_LENGTH, body.len().to_string());
     if let Some(e) = error {
         let _ = resp.insert_header("x-headroom-error", e.reason());
+        if e.status() == 401 {
+            let _ = resp.insert_header(header::WWW_AUTHENTICATE, "Bearer");
+        }
         if let Some(s) = e.retry_after() {
             let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
         }
@@ -508,6 +544,7 @@ impl ProxyHttp for Headroom {
             meter: None,
             completed: false,
             prompt: None,
+            key: None,
         }
     }
 

@@ -6,6 +6,12 @@ use std::fmt;
 /// Where a proxy-made answer comes from.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum ErrorKind {
+    /// API keys are configured and the request carries none.
+    MissingKey,
+    /// The request's API key is not one of the configured keys.
+    InvalidKey,
+    /// The API key is over its rate limit.
+    RateLimited,
     /// The path is not one headroom serves.
     UnknownRoute,
     /// The method is not allowed on the path.
@@ -64,6 +70,8 @@ impl ProxyError {
     /// The HTTP status the client receives.
     pub fn status(&self) -> u16 {
         match self.kind {
+            ErrorKind::MissingKey | ErrorKind::InvalidKey => 401,
+            ErrorKind::RateLimited => 429,
             ErrorKind::UnknownRoute => 404,
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::BadRequest => 400,
@@ -87,6 +95,7 @@ impl ProxyError {
                     | ErrorKind::UpstreamReset
                     | ErrorKind::QueueFull
                     | ErrorKind::QueueTimeout
+                    | ErrorKind::RateLimited
             )
             .then_some(1)
         })
@@ -95,6 +104,9 @@ impl ProxyError {
     /// A short stable name for metrics and the `x-headroom-error` header.
     pub fn reason(&self) -> &'static str {
         match self.kind {
+            ErrorKind::MissingKey => "missing_key",
+            ErrorKind::InvalidKey => "invalid_key",
+            ErrorKind::RateLimited => "rate_limited",
             ErrorKind::UnknownRoute => "unknown_route",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::BadRequest => "bad_request",
@@ -113,6 +125,7 @@ impl ProxyError {
     pub fn body(&self) -> Vec<u8> {
         let kind = match self.status() {
             400 | 413 => "BadRequestError",
+            401 => "AuthenticationError",
             404 => "NotFoundError",
             405 => "MethodNotAllowedError",
             429 => "RateLimitError",

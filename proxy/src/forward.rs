@@ -93,11 +93,28 @@ pub struct Outgoing<'a> {
     pub model: Option<&'a str>,
 }
 
+/// What the proxy removes from, or sets on, each forwarded request's headers.
+#[derive(Debug, Clone)]
+pub struct HeaderRules {
+    /// The client's `Authorization` is for the proxy (API keys are configured): never forwarded.
+    pub strip_authorization: bool,
+    /// Keep and extend the client's forwarding headers (behind a trusted load balancer).
+    pub trust_forwarded: bool,
+    /// The class header is the proxy's input, not the engine's.
+    pub class_header: String,
+}
+
+/// Client-supplied headers that claim where the request came from.
+fn is_forwarding(name: &str) -> bool {
+    name.starts_with("x-forwarded-") || name == "forwarded" || name == "x-real-ip"
+}
+
 fn upstream_header(
     session: &Session,
     backend: &Backend,
     body_len: usize,
     request_id: &str,
+    rules: &HeaderRules,
 ) -> Result<RequestHeader, ProxyError> {
     let down = session.req_header();
     let path = down
@@ -109,7 +126,12 @@ fn upstream_header(
     let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
         .map_err(bad)?;
     for (name, value) in &down.headers {
-        if !HOP_BY_HOP.contains(&name.as_str()) {
+        let n = name.as_str();
+        let dropped = HOP_BY_HOP.contains(&n)
+            || n == rules.class_header
+            || (rules.strip_authorization && name == header::AUTHORIZATION)
+            || (!rules.trust_forwarded && is_forwarding(n));
+        if !dropped {
             up.append_header(name.clone(), value.clone()).map_err(bad)?;
         }
     }
@@ -118,16 +140,24 @@ fn upstream_header(
     up.insert_header(header::CONTENT_LENGTH, body_len.to_string())
         .map_err(bad)?;
     up.insert_header("x-request-id", request_id).map_err(bad)?;
+    if let Some(auth) = &backend.authorization {
+        up.insert_header(header::AUTHORIZATION, auth.clone())
+            .map_err(bad)?;
+    }
     if let Some(addr) = session.client_addr().and_then(|a| a.as_inet()) {
-        let xff = match down
+        let previous = down
             .headers
             .get("x-forwarded-for")
             .and_then(|v| v.to_str().ok())
-        {
+            .filter(|_| rules.trust_forwarded);
+        let xff = match previous {
             Some(prev) => format!("{prev}, {}", addr.ip()),
             None => addr.ip().to_string(),
         };
         up.insert_header("x-forwarded-for", xff).map_err(bad)?;
+        if !down.headers.contains_key("x-forwarded-proto") || !rules.trust_forwarded {
+            up.insert_header("x-forwarded-proto", "http").map_err(bad)?;
+        }
     }
     Ok(up)
 }
@@ -377,7 +407,8 @@ impl Headroom {
         body: &Bytes,
         request_id: &str,
     ) -> Attempt {
-        let header = match upstream_header(session, backend, body.len(), request_id) {
+        let header = match upstream_header(session, backend, body.len(), request_id, &self.headers)
+        {
             Ok(h) => h,
             Err(e) => return Attempt::Failed(e),
         };

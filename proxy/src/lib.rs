@@ -8,10 +8,12 @@
 //! - `upstreams/`: the fleet, in-flight guards, health probes, engine-metrics scraping
 //! - `record`: the end of each generation request's timing record (metrics, goodput, capture)
 //! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
+//! - `auth`: client API keys (constant-time check, class, rate limit)
 //! - `error`: proxy-made answers and their HTTP statuses, in one place
 
 pub mod admission;
 pub mod app;
+pub mod auth;
 pub mod error;
 pub mod forward;
 pub mod record;

@@ -219,6 +219,14 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         capture: capture.clone(),
         admission: admission.clone(),
         pools: crate::app::PoolPlan::all(&cfg),
+        keys: crate::auth::Keys::from_config(&cfg.security)
+            .map_err(|e| ServeError::Config(e.to_string()))?
+            .map(Arc::new),
+        headers: crate::forward::HeaderRules {
+            strip_authorization: !cfg.security.api_keys.is_empty(),
+            trust_forwarded: cfg.security.trust_forwarded_headers,
+            class_header: cfg.measure.class_header.to_ascii_lowercase(),
+        },
     };
 
     let bind = |addr: String| async move {
@@ -376,7 +384,11 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
         let _ = tcp.set_nodelay(true);
         let (app, shutdown) = (app.clone(), stop.clone());
         tokio::spawn(async move {
-            let stream = pingora::protocols::l4::stream::Stream::from(tcp);
+            use pingora::protocols::{GetSocketDigest, SocketDigest};
+            use std::os::fd::AsRawFd;
+            let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);
+            // The client's address (X-Forwarded-For) is read from the socket when first asked.
+            stream.set_socket_digest(SocketDigest::from_raw_fd(stream.as_raw_fd()));
             let mut next: Option<pingora::protocols::Stream> = Some(Box::new(stream));
             while let Some(s) = next {
                 next = app.process_new(s, &shutdown).await;

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub proxy_errors: IntCounterVec,
     /// Attempts retried on another replica, by reason.
     pub retries: IntCounterVec,
+    /// Requests made with each client API key, by outcome (`accepted`, `rate_limited`).
+    pub key_requests: IntCounterVec,
     /// Requests whose body could not be inspected (routed without prefix information).
     pub uninspectable: IntCounter,
     /// Requests whose engine tokens (chat template, tokenizer) could not be made for
@@ -197,6 +199,11 @@ impl Metrics {
                 "headroom_upstream_retries_total",
                 "Attempts retried on another replica before any response byte reached the client.",
                 &["reason"],
+            ),
+            key_requests: counter(
+                "headroom_key_requests_total",
+                "Requests made with each client API key, by outcome (accepted, rate_limited).",
+                &["key", "outcome"],
             ),
             uninspectable: IntCounter::new(
                 "headroom_uninspectable_requests_total",
@@ -466,6 +473,7 @@ impl Metrics {
             Box::new(m.requests.clone()),
             Box::new(m.proxy_errors.clone()),
             Box::new(m.retries.clone()),
+            Box::new(m.key_requests.clone()),
             Box::new(m.uninspectable.clone()),
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),

@@ -36,6 +36,8 @@ pub struct Backend {
     pub addr: SocketAddr,
     /// Stable identity for hashing policies.
     pub key: u64,
+    /// `Authorization` value for the engine's own API key (`api_key_env`), when configured.
+    pub authorization: Option<http::HeaderValue>,
     probe_healthy: AtomicBool,
     probe_fails: AtomicU32,
     probe_passes: AtomicU32,
@@ -109,11 +111,26 @@ impl Backend {
             .map_err(|e| format!("backend {}: cannot resolve {authority}: {e}", cfg.url))?
             .next()
             .ok_or_else(|| format!("backend {}: {authority} has no address", cfg.url))?;
+        let authorization = match &cfg.api_key_env {
+            None => None,
+            Some(var) => {
+                let key = std::env::var(var)
+                    .ok()
+                    .filter(|k| !k.is_empty())
+                    .ok_or_else(|| format!("backend {}: {var} is not set", cfg.url))?;
+                let mut v = http::HeaderValue::try_from(format!("Bearer {key}")).map_err(|_| {
+                    format!("backend {}: {var} is not a valid header value", cfg.url)
+                })?;
+                v.set_sensitive(true);
+                Some(v)
+            }
+        };
         Ok(Self {
             id,
             name: cfg.display_name(),
             url: cfg.url.trim_end_matches('/').to_owned(),
             key: xxhash_rust::xxh3::xxh3_64(cfg.url.as_bytes()),
+            authorization,
             authority,
             addr,
             probe_healthy: AtomicBool::new(true),

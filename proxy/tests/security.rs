@@ -1,0 +1,244 @@
+//! Client API keys (401 before any engine sees the request, per-key class, per-key rate limit)
+//! and the headers an engine receives: the client's forwarding claims and the proxy's own inputs
+//! are removed unless trusted.
+
+mod common;
+
+use std::collections::BTreeMap;
+use std::sync::{Arc, Mutex};
+
+use axum::Json;
+use axum::http::HeaderMap;
+use axum::routing::{get, post};
+use headroom_config::serve::{ApiKeyConfig, ServeConfig};
+use headroom_proxy::ServeHandle;
+use serde_json::{Value, json};
+use sha2::{Digest, Sha256};
+
+/// The headers of every generation request an engine received.
+type Seen = Arc<Mutex<Vec<BTreeMap<String, String>>>>;
+
+/// An engine that answers every completion at once and remembers its request headers.
+async fn engine() -> (String, Seen) {
+    let seen: Seen = Arc::default();
+    let log = seen.clone();
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route(
+            "/v1/completions",
+            post(move |headers: HeaderMap| {
+                let log = log.clone();
+                async move {
+                    let h = headers
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").to_owned()))
+                        .collect();
+                    log.lock().unwrap().push(h);
+                    Json(json!({
+                        "id": "cmpl-1", "object": "text_completion", "model": "m",
+                        "choices": [{"index": 0, "text": " ok", "finish_reason": "stop"}],
+                        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+                    }))
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}
+
+fn hex_sha256(key: &str) -> String {
+    Sha256::digest(key.as_bytes())
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
+}
+
+fn key(name: &str, secret: &str, class: Option<&str>, rate: Option<f64>) -> ApiKeyConfig {
+    ApiKeyConfig {
+        name: name.into(),
+        sha256: Some(hex_sha256(secret)),
+        env: None,
+        class: class.map(str::to_owned),
+        rate_per_s: rate,
+        burst: rate.map(|_| 2),
+    }
+}
+
+async fn proxy(url: &str, keys: Vec<ApiKeyConfig>, trust_forwarded: bool) -> ServeHandle {
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[url.to_owned()], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.scrape.interval_ms = 0;
+    let default = cfg.classes["default"].clone();
+    cfg.classes.insert("batch".into(), default);
+    cfg.security.api_keys = keys;
+    cfg.security.trust_forwarded_headers = trust_forwarded;
+    headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap()
+}
+
+async fn complete(h: &ServeHandle, headers: &[(&str, &str)]) -> reqwest::Response {
+    let mut req = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", h.addr))
+        .json(&json!({"model": "m", "prompt": "hello there", "max_tokens": 1}));
+    for (k, v) in headers {
+        req = req.header(*k, *v);
+    }
+    req.send().await.unwrap()
+}
+
+async fn proxy_metrics(h: &ServeHandle) -> String {
+    common::get_text(&format!("http://{}/metrics", h.admin_addr)).await
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn keys_are_checked_before_any_engine_sees_the_request() {
+    let (url, seen) = engine().await;
+    let h = proxy(
+        &url,
+        vec![
+            key("chat-app", "chat-secret-1", None, None),
+            key("nightly", "batch-secret-2", Some("batch"), Some(0.01)),
+        ],
+        false,
+    )
+    .await;
+
+    let r = complete(&h, &[]).await;
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["www-authenticate"], "Bearer");
+    assert_eq!(r.headers()["x-headroom-error"], "missing_key");
+    let r = complete(&h, &[("authorization", "Bearer chat-secret-X")]).await;
+    assert_eq!(r.headers()["x-headroom-error"], "invalid_key");
+    let body: Value = r.json().await.unwrap();
+    assert_eq!(body["error"]["type"], "AuthenticationError");
+    // Unknown paths are refused after the key, so they reveal nothing to a keyless client.
+    let r = reqwest::get(format!("http://{}/reset_prefix_cache", h.addr))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 401);
+    assert!(
+        seen.lock().unwrap().is_empty(),
+        "an engine saw a refused request"
+    );
+    // Probes stay open.
+    let r = reqwest::get(format!("http://{}/health", h.addr))
+        .await
+        .unwrap();
+    assert_eq!(r.status(), 200);
+
+    // A good key: the engine never sees the client's key.
+    let r = complete(&h, &[("authorization", "Bearer chat-secret-1")]).await;
+    assert_eq!(r.status(), 200);
+    let got = seen.lock().unwrap().pop().unwrap();
+    assert!(!got.contains_key("authorization"), "{got:?}");
+
+    // The batch key is batch whatever its header says, and is held to 2 requests at once,
+    // then one per 100 s.
+    for _ in 0..2 {
+        let r = complete(
+            &h,
+            &[
+                ("authorization", "Bearer batch-secret-2"),
+                ("x-headroom-class", "default"),
+            ],
+        )
+        .await;
+        assert_eq!(r.status(), 200);
+    }
+    let r = complete(&h, &[("authorization", "Bearer batch-secret-2")]).await;
+    assert_eq!(r.status(), 429);
+    assert_eq!(r.headers()["x-headroom-error"], "rate_limited");
+    let wait: u32 = r.headers()["retry-after"]
+        .to_str()
+        .unwrap()
+        .parse()
+        .unwrap();
+    assert!(wait > 90, "Retry-After {wait}");
+    // The other key is not limited by it.
+    let r = complete(&h, &[("authorization", "Bearer chat-secret-1")]).await;
+    assert_eq!(r.status(), 200);
+
+    // Each request is recorded once its response has been relayed: wait (bounded) for the last.
+    let mut m = proxy_metrics(&h).await;
+    for _ in 0..100 {
+        if m.contains(
+            r#"headroom_slo_requests_total{class="batch",pool="default",result="good"} 2"#,
+        ) {
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(20)).await;
+        m = proxy_metrics(&h).await;
+    }
+    let line = |needle: &str| {
+        m.lines()
+            .find(|l| l.starts_with(needle))
+            .unwrap_or_else(|| panic!("no {needle} in\n{m}"))
+            .rsplit(' ')
+            .next()
+            .unwrap()
+            .to_owned()
+    };
+    assert_eq!(
+        line(r#"headroom_key_requests_total{key="nightly",outcome="rate_limited"}"#),
+        "1"
+    );
+    assert_eq!(
+        line(r#"headroom_key_requests_total{key="nightly",outcome="accepted"}"#),
+        "2"
+    );
+    assert_eq!(
+        line(r#"headroom_slo_requests_total{class="batch",pool="default",result="good"}"#),
+        "2"
+    );
+    assert_eq!(
+        line(r#"headroom_proxy_errors_total{reason="missing_key"}"#),
+        "2"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
+    let (url, seen) = engine().await;
+    let forged = [
+        ("x-forwarded-for", "6.6.6.6"),
+        ("x-forwarded-host", "evil.example"),
+        ("x-forwarded-proto", "https"),
+        ("forwarded", "for=6.6.6.6"),
+        ("x-real-ip", "6.6.6.6"),
+        ("x-headroom-class", "batch"),
+        ("authorization", "Bearer client-token"),
+        ("x-custom", "kept"),
+    ];
+    let h = proxy(&url, Vec::new(), false).await;
+    assert_eq!(complete(&h, &forged).await.status(), 200);
+    let got = seen.lock().unwrap().pop().unwrap();
+    assert_eq!(got["x-forwarded-for"], "127.0.0.1");
+    assert_eq!(got["x-forwarded-proto"], "http");
+    for gone in [
+        "x-forwarded-host",
+        "forwarded",
+        "x-real-ip",
+        "x-headroom-class",
+    ] {
+        assert!(
+            !got.contains_key(gone),
+            "{gone} reached the engine: {got:?}"
+        );
+    }
+    // Without keys the proxy is transparent to the client's own credentials.
+    assert_eq!(got["authorization"], "Bearer client-token");
+    assert_eq!(got["x-custom"], "kept");
+    assert!(got.contains_key("x-request-id"));
+
+    // Behind a trusted load balancer the chain is extended instead.
+    let h = proxy(&url, Vec::new(), true).await;
+    assert_eq!(complete(&h, &forged).await.status(), 200);
+    let got = seen.lock().unwrap().pop().unwrap();
+    assert_eq!(got["x-forwarded-for"], "6.6.6.6, 127.0.0.1");
+    assert_eq!(got["x-forwarded-proto"], "https");
+    assert_eq!(got["x-real-ip"], "6.6.6.6");
+    assert!(!got.contains_key("x-headroom-class"));
+}
