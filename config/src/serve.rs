@@ -353,6 +353,14 @@ pub struct TimeoutConfig {
     pub idle_ms: u64,
     /// Idle upstream connections are kept this long for reuse.
     pub pool_idle_ms: u64,
+    /// A client that reads nothing of its response for this long (a full TCP window) is dropped
+    /// and its upstream request cancelled.
+    pub client_write_ms: u64,
+    /// A new connection must deliver its first request's whole header within this (slowloris).
+    pub header_read_ms: u64,
+    /// The whole request body must arrive within this after the header (408 past it); the body is
+    /// read before the request waits for admission.
+    pub body_read_ms: u64,
 }
 
 impl Default for TimeoutConfig {
@@ -362,6 +370,9 @@ impl Default for TimeoutConfig {
             first_byte_ms: 300_000,
             idle_ms: 60_000,
             pool_idle_ms: 60_000,
+            client_write_ms: 30_000,
+            header_read_ms: 10_000,
+            body_read_ms: 30_000,
         }
     }
 }
@@ -372,6 +383,13 @@ impl Default for TimeoutConfig {
 pub struct LimitConfig {
     /// Largest request body accepted (413 above).
     pub max_body_bytes: u64,
+    /// Largest request header block (names and values) accepted (431 above).
+    pub max_header_bytes: u64,
+    /// Most request header fields accepted (431 above).
+    pub max_headers: u32,
+    /// Longest server-sent event accepted from a replica; a longer one (a line that never ends)
+    /// cuts the stream with an error event.
+    pub max_event_bytes: u64,
     /// Other replicas tried when one fails before any response byte reached the client.
     pub retries: u32,
 }
@@ -380,6 +398,9 @@ impl Default for LimitConfig {
     fn default() -> Self {
         Self {
             max_body_bytes: 32 << 20,
+            max_header_bytes: 64 << 10,
+            max_headers: 100,
+            max_event_bytes: 1 << 20,
             retries: 2,
         }
     }
@@ -969,6 +990,9 @@ impl Validate for ServeConfig {
             ("connect_ms", t.connect_ms),
             ("first_byte_ms", t.first_byte_ms),
             ("idle_ms", t.idle_ms),
+            ("header_read_ms", t.header_read_ms),
+            ("client_write_ms", t.client_write_ms),
+            ("body_read_ms", t.body_read_ms),
         ] {
             check(e, v > 0, &tp, name, v, "must be positive");
         }
@@ -979,6 +1003,30 @@ impl Validate for ServeConfig {
             "max_body_bytes",
             self.limits.max_body_bytes,
             "must be at least 1024",
+        );
+        check(
+            e,
+            self.limits.max_header_bytes >= 1024,
+            &field_path(p, "limits"),
+            "max_header_bytes",
+            self.limits.max_header_bytes,
+            "must be at least 1024",
+        );
+        check(
+            e,
+            self.limits.max_event_bytes >= 4096,
+            &field_path(p, "limits"),
+            "max_event_bytes",
+            self.limits.max_event_bytes,
+            "must be at least 4096",
+        );
+        check(
+            e,
+            self.limits.max_headers >= 8,
+            &field_path(p, "limits"),
+            "max_headers",
+            self.limits.max_headers,
+            "must be at least 8",
         );
         let m = &self.measure;
         let mp = field_path(p, "measure");

@@ -9,7 +9,7 @@ use std::time::{Duration, Instant, SystemTime};
 use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use headroom_config::serve::ServeConfig;
-use headroom_workload::inspect::{Endpoint, InspectConfig, ask_for_usage, inspect};
+use headroom_workload::inspect::{Endpoint, InspectConfig, InspectError, ask_for_usage, inspect};
 use headroom_workload::measure::ResponseMeter;
 use http::{Method, header};
 use pingora::connectors::http::Connector;
@@ -231,6 +231,7 @@ impl Headroom {
         let method = session.req_header().method.clone();
         let (route, name) = route_of(&path);
         ctx.route = name;
+        check_headers(session, &self.cfg.limits)?;
         // Cheap refusals first: the key and its rate (a key probing unknown paths spends its
         // rate too), the allow-list; then the body.
         if let Some(keys) = self.keys.as_deref().filter(|_| name != "health") {
@@ -291,8 +292,15 @@ impl Headroom {
         body: Bytes,
     ) -> Result<(), ProxyError> {
         // A body the inspector cannot read still goes to an engine, whose own error is the
-        // authoritative one; it is routed without prefix information.
-        let inspected = inspect(endpoint, &body, &self.inspect).ok();
+        // authoritative one; it is routed without prefix information. A body that is not JSON at
+        // all (or nests past serde_json's recursion limit) no engine could accept: refused here.
+        let inspected = match inspect(endpoint, &body, &self.inspect) {
+            Ok(i) => Some(i),
+            Err(e @ InspectError::NotJson(_)) => {
+                return Err(ProxyError::new(ErrorKind::BadRequest, e.to_string()));
+            }
+            Err(_) => None,
+        };
         match &inspected {
             None => self.metrics.uninspectable.inc(),
             Some(i) => {
@@ -396,8 +404,21 @@ impl Headroom {
             let _ = session.as_downstream_mut().write_continue_response().await;
         }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(max) as usize);
+        let budget = Duration::from_millis(self.cfg.timeouts.body_read_ms);
+        let deadline = tokio::time::Instant::now() + budget;
         loop {
-            match session.read_request_body().await {
+            let Ok(read) = tokio::time::timeout_at(deadline, session.read_request_body()).await
+            else {
+                // Part of the body is still on the wire: the connection cannot be reused.
+                session.set_keepalive(None);
+                return Err(ProxyError::new(
+                    ErrorKind::BodyTimeout,
+                    format!(
+                        "the request body did not arrive within {budget:?} (timeouts.body_read_ms)"
+                    ),
+                ));
+            };
+            match read {
                 Ok(Some(chunk)) => {
                     if (body.len() + chunk.len()) as u64 > max {
                         return Err(too_large());
@@ -463,6 +484,36 @@ impl Headroom {
         respond(session, 200, "application/json", body, None).await;
         Ok(())
     }
+}
+
+/// Refuses a header block over the limits (431). (A body framed two ways at once, Content-Length
+/// and Transfer-Encoding, pingora already reads as chunked, as RFC 9112 §6.3 says, and closes the
+/// connection after it, so nothing smuggled behind it is read as a request.)
+fn check_headers(
+    session: &mut Session,
+    limits: &headroom_config::serve::LimitConfig,
+) -> Result<(), ProxyError> {
+    let headers = &session.req_header().headers;
+    let (fields, bytes) = (
+        headers.len(),
+        headers
+            .iter()
+            .map(|(n, v)| n.as_str().len() + v.len() + 4)
+            .sum::<usize>(),
+    );
+    if fields <= limits.max_headers as usize && bytes as u64 <= limits.max_header_bytes {
+        return Ok(());
+    }
+    // The body was not read: the connection cannot carry another request.
+    session.set_keepalive(None);
+    Err(ProxyError::new(
+        ErrorKind::HeadersTooLarge,
+        format!(
+            "{fields} header fields, {bytes} bytes: at most {} fields and {} bytes \
+             (limits.max_headers, limits.max_header_bytes)",
+            limits.max_headers, limits.max_header_bytes
+        ),
+    ))
 }
 
 fn not_allowed(method: &Method, path: &str) -> ProxyError {
@@ -573,6 +624,11 @@ impl ProxyHttp for Headroom {
         ctx.start = Instant::now();
         ctx.arrival = SystemTime::now();
         ctx.request_id = request_id(session);
+        session
+            .as_downstream_mut()
+            .set_write_timeout(Some(Duration::from_millis(
+                self.cfg.timeouts.client_write_ms,
+            )));
         if let Err(e) = self.handle(session, ctx).await {
             self.metrics
                 .proxy_errors

@@ -20,6 +20,10 @@ pub enum ErrorKind {
     BadRequest,
     /// The body is larger than `limits.max_body_bytes`.
     BodyTooLarge,
+    /// The header block is over `limits.max_header_bytes` or `limits.max_headers`.
+    HeadersTooLarge,
+    /// The body did not arrive within `timeouts.body_read_ms`.
+    BodyTimeout,
     /// The client's body could not be read (it went away or stalled).
     ClientBody,
     /// No replica is configured, healthy and not ejected.
@@ -76,6 +80,8 @@ impl ProxyError {
             ErrorKind::MethodNotAllowed => 405,
             ErrorKind::BadRequest => 400,
             ErrorKind::BodyTooLarge => 413,
+            ErrorKind::HeadersTooLarge => 431,
+            ErrorKind::BodyTimeout => 408,
             ErrorKind::ClientBody => 400,
             ErrorKind::NoBackend => 503,
             ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset => 502,
@@ -111,6 +117,8 @@ impl ProxyError {
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::BadRequest => "bad_request",
             ErrorKind::BodyTooLarge => "body_too_large",
+            ErrorKind::HeadersTooLarge => "headers_too_large",
+            ErrorKind::BodyTimeout => "body_timeout",
             ErrorKind::ClientBody => "client_body",
             ErrorKind::NoBackend => "no_backend",
             ErrorKind::UpstreamConnect => "upstream_connect",
@@ -124,7 +132,7 @@ impl ProxyError {
     /// The body, in the shape OpenAI-compatible servers use for errors.
     pub fn body(&self) -> Vec<u8> {
         let kind = match self.status() {
-            400 | 413 => "BadRequestError",
+            400 | 408 | 413 | 431 => "BadRequestError",
             401 => "AuthenticationError",
             404 => "NotFoundError",
             405 => "MethodNotAllowedError",

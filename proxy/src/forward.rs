@@ -68,6 +68,17 @@ impl FleetLook {
     }
 }
 
+/// Why a replica's response was cut off after it started.
+#[derive(Debug, Clone, Copy)]
+enum Cut {
+    /// The connection closed or failed.
+    Closed,
+    /// Nothing arrived for this long.
+    Silent(Duration),
+    /// An event grew past this many bytes without ending.
+    Oversized(usize),
+}
+
 /// How a forwarded request ended, once it could no longer be answered by the proxy.
 #[derive(Debug)]
 pub enum Ended {
@@ -531,6 +542,7 @@ impl Headroom {
         // Engines send the header at once and the first chunk after queueing and prefill, so the
         // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
         let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
+        let max_event = self.cfg.limits.max_event_bytes as usize;
         let mut wait = Duration::from_millis(self.cfg.timeouts.first_byte_ms);
         // One timer for the whole response, re-armed only when it fires early: re-registering a
         // timer per chunk would cost more than relaying the chunk.
@@ -548,6 +560,12 @@ impl Headroom {
                             silence.as_mut().reset(last_chunk + idle);
                         }
                         let passed = meter.on_chunk(chunk, last_chunk.into_std());
+                        if meter.buffered() > max_event {
+                            // A line that never ends would grow without bound: cut it off.
+                            return self
+                                .upstream_cut(session, &backend, is_sse, Cut::Oversized(max_event))
+                                .await;
+                        }
                         if passed.first_output {
                             guard.first_output();
                         }
@@ -560,12 +578,12 @@ impl Headroom {
                         meter.delivered(std::time::Instant::now());
                     }
                     Ok(None) => return Ended::Complete,
-                    Err(_) => return self.upstream_cut(session, &backend, is_sse, None).await,
+                    Err(_) => return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await,
                 },
                 () = &mut silence => {
                     let deadline = last_chunk + wait;
                     if tokio::time::Instant::now() >= deadline {
-                        return self.upstream_cut(session, &backend, is_sse, Some(wait)).await;
+                        return self.upstream_cut(session, &backend, is_sse, Cut::Silent(wait)).await;
                     }
                     silence.as_mut().reset(deadline);
                 }
@@ -591,7 +609,7 @@ impl Headroom {
         session: &mut Session,
         backend: &Backend,
         is_sse: bool,
-        silent_for: Option<Duration>,
+        cut: Cut,
     ) -> Ended {
         self.metrics
             .upstream_cut
@@ -599,10 +617,13 @@ impl Headroom {
             .inc();
         self.fleet.request_failed(backend);
         if is_sse {
-            let why = if let Some(t) = silent_for {
-                format!("{} sent nothing for {} ms", backend.name, t.as_millis())
-            } else {
-                format!("{} closed the stream before it finished", backend.name)
+            let why = match cut {
+                Cut::Closed => format!("{} closed the stream before it finished", backend.name),
+                Cut::Silent(t) => format!("{} sent nothing for {} ms", backend.name, t.as_millis()),
+                Cut::Oversized(n) => format!(
+                    "{} sent an event longer than {n} bytes (limits.max_event_bytes)",
+                    backend.name
+                ),
             };
             let event = serde_json::json!({"error": {
                 "message": why, "type": "UpstreamError", "param": null, "code": 502}});

@@ -252,7 +252,17 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         &Arc::new(ServerConf::default()),
         headroom,
     ));
-    tasks.push(tokio::spawn(accept_loop(listener, app, stop_rx.clone())));
+    let first_header = FirstHeader {
+        budget: Duration::from_millis(cfg.timeouts.header_read_ms),
+        max_bytes: cfg.limits.max_header_bytes as usize + 8192,
+        closed: metrics.slow_headers_closed.clone(),
+    };
+    tasks.push(tokio::spawn(accept_loop(
+        listener,
+        app,
+        first_header,
+        stop_rx.clone(),
+    )));
 
     if let Some(index) = &kv_index {
         for (id, b) in cfg.backends.iter().enumerate() {
@@ -362,9 +372,58 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     })
 }
 
+/// How long a new connection may take to deliver its first request header.
+#[derive(Debug, Clone)]
+struct FirstHeader {
+    budget: Duration,
+    /// Request line and header block at most; a fuller receive queue is handed on as it is
+    /// (the header limits then answer 431).
+    max_bytes: usize,
+    closed: prometheus::IntCounter,
+}
+
+impl FirstHeader {
+    /// Whether the connection's first request header (up to its blank line) is in the socket's
+    /// receive queue before the budget runs out. It only peeks, so nothing is consumed. A client
+    /// that sends its header in one go passes at the first peek; one that trickles is peeked at
+    /// with a back-off from 1 to 250 ms, a few syscalls a second, until the budget closes it.
+    async fn arrives(&self, tcp: &tokio::net::TcpStream) -> bool {
+        let wait = async {
+            let mut buf = vec![0u8; 4096];
+            let mut pause = Duration::from_millis(1);
+            loop {
+                let n = match tcp.peek(&mut buf).await {
+                    Ok(0) | Err(_) => return false,
+                    Ok(n) => n,
+                };
+                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                    return true;
+                }
+                if n == buf.len() {
+                    if buf.len() >= self.max_bytes {
+                        return true;
+                    }
+                    buf.resize((buf.len() * 2).min(self.max_bytes), 0);
+                    continue;
+                }
+                tokio::time::sleep(pause).await;
+                pause = (pause * 2).min(Duration::from_millis(250));
+            }
+        };
+        match tokio::time::timeout(self.budget, wait).await {
+            Ok(arrived) => arrived,
+            Err(_) => {
+                self.closed.inc();
+                false
+            }
+        }
+    }
+}
+
 async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
     listener: tokio::net::TcpListener,
     app: Arc<A>,
+    first_header: FirstHeader,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -382,8 +441,11 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
             _ = stop.changed() => return,
         };
         let _ = tcp.set_nodelay(true);
-        let (app, shutdown) = (app.clone(), stop.clone());
+        let (app, shutdown, first_header) = (app.clone(), stop.clone(), first_header.clone());
         tokio::spawn(async move {
+            if !first_header.arrives(&tcp).await {
+                return;
+            }
             use pingora::protocols::{GetSocketDigest, SocketDigest};
             use std::os::fd::AsRawFd;
             let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);

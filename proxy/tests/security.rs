@@ -4,49 +4,11 @@
 
 mod common;
 
-use std::collections::BTreeMap;
-use std::sync::{Arc, Mutex};
-
-use axum::Json;
-use axum::http::HeaderMap;
-use axum::routing::{get, post};
+use common::recording_engine as engine;
 use headroom_config::serve::{ApiKeyConfig, ServeConfig};
 use headroom_proxy::ServeHandle;
 use serde_json::{Value, json};
 use sha2::{Digest, Sha256};
-
-/// The headers of every generation request an engine received.
-type Seen = Arc<Mutex<Vec<BTreeMap<String, String>>>>;
-
-/// An engine that answers every completion at once and remembers its request headers.
-async fn engine() -> (String, Seen) {
-    let seen: Seen = Arc::default();
-    let log = seen.clone();
-    let app = axum::Router::new()
-        .route("/health", get(|| async { "" }))
-        .route(
-            "/v1/completions",
-            post(move |headers: HeaderMap| {
-                let log = log.clone();
-                async move {
-                    let h = headers
-                        .iter()
-                        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").to_owned()))
-                        .collect();
-                    log.lock().unwrap().push(h);
-                    Json(json!({
-                        "id": "cmpl-1", "object": "text_completion", "model": "m",
-                        "choices": [{"index": 0, "text": " ok", "finish_reason": "stop"}],
-                        "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-                    }))
-                }
-            }),
-        );
-    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
-    let url = format!("http://{}", listener.local_addr().unwrap());
-    tokio::spawn(async move { axum::serve(listener, app).await });
-    (url, seen)
-}
 
 fn hex_sha256(key: &str) -> String {
     Sha256::digest(key.as_bytes())
@@ -119,10 +81,7 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         .await
         .unwrap();
     assert_eq!(r.status(), 401);
-    assert!(
-        seen.lock().unwrap().is_empty(),
-        "an engine saw a refused request"
-    );
+    assert!(seen.requests() == 0, "an engine saw a refused request");
     // Probes stay open.
     let r = reqwest::get(format!("http://{}/health", h.addr))
         .await
@@ -132,7 +91,7 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
     // A good key: the engine never sees the client's key.
     let r = complete(&h, &[("authorization", "Bearer chat-secret-1")]).await;
     assert_eq!(r.status(), 200);
-    let got = seen.lock().unwrap().pop().unwrap();
+    let got = seen.last();
     assert!(!got.contains_key("authorization"), "{got:?}");
 
     // The batch key is batch whatever its header says, and is held to 2 requests at once,
@@ -214,7 +173,7 @@ async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
     ];
     let h = proxy(&url, Vec::new(), false).await;
     assert_eq!(complete(&h, &forged).await.status(), 200);
-    let got = seen.lock().unwrap().pop().unwrap();
+    let got = seen.last();
     assert_eq!(got["x-forwarded-for"], "127.0.0.1");
     assert_eq!(got["x-forwarded-proto"], "http");
     for gone in [
@@ -236,7 +195,7 @@ async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
     // Behind a trusted load balancer the chain is extended instead.
     let h = proxy(&url, Vec::new(), true).await;
     assert_eq!(complete(&h, &forged).await.status(), 200);
-    let got = seen.lock().unwrap().pop().unwrap();
+    let got = seen.last();
     assert_eq!(got["x-forwarded-for"], "6.6.6.6, 127.0.0.1");
     assert_eq!(got["x-forwarded-proto"], "https");
     assert_eq!(got["x-real-ip"], "6.6.6.6");

@@ -142,7 +142,11 @@ pub struct Inspected {
 /// Why a body could not be inspected. The message is safe to show the client (no prompt text).
 #[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
 pub enum InspectError {
-    /// Not JSON, or not the endpoint's schema.
+    /// Not JSON at all (a syntax error, a truncated body, nesting past serde_json's recursion
+    /// limit): no engine could accept it.
+    #[error("the request body is not JSON: {0}")]
+    NotJson(String),
+    /// JSON, but not the endpoint's schema (as headroom reads it; the engine may know better).
     #[error("invalid request body: {0}")]
     Body(String),
     /// The request has no prompt to generate from.
@@ -201,7 +205,18 @@ fn parse(
     endpoint: Endpoint,
     body: &[u8],
 ) -> Result<(Rendered, GenerationParams, usize), InspectError> {
-    let bad = |e: serde_json::Error| InspectError::Body(e.to_string());
+    // A schema error can come before a syntax error further on (`[[[…` fails as "not an
+    // object" at its first byte): only a body that parses as JSON, within serde_json's recursion
+    // limit, is handed on. This second parse runs only for bodies headroom cannot read.
+    let bad = |e: serde_json::Error| match e.classify() {
+        serde_json::error::Category::Syntax | serde_json::error::Category::Eof => {
+            InspectError::NotJson(e.to_string())
+        }
+        _ => match serde_json::from_slice::<serde_json::Value>(body) {
+            Err(syntax) => InspectError::NotJson(syntax.to_string()),
+            Ok(_) => InspectError::Body(e.to_string()),
+        },
+    };
     match endpoint {
         Endpoint::Chat => {
             let b: ChatBody = serde_json::from_slice(body).map_err(bad)?;
@@ -608,6 +623,29 @@ mod tests {
                 "{}",
                 String::from_utf8_lossy(body)
             );
+        }
+    }
+
+    #[test]
+    fn bodies_that_are_not_json_are_told_apart_from_other_schemas() {
+        let bomb = format!(
+            r#"{{"prompt": {}1{}}}"#,
+            "[".repeat(10_000),
+            "]".repeat(10_000)
+        );
+        let bare_bomb = format!("{}{}", "[".repeat(10_000), "]".repeat(10_000));
+        for body in [
+            &b"not json"[..],
+            br#"{"prompt": "cut"#,
+            bomb.as_bytes(),
+            bare_bomb.as_bytes(),
+        ] {
+            let e = inspect(Endpoint::Completions, body, &cfg()).unwrap_err();
+            assert!(matches!(e, InspectError::NotJson(_)), "{e}");
+        }
+        for body in [&br#"{"messages":"hi"}"#[..], br#"[1, 2]"#] {
+            let e = inspect(Endpoint::Chat, body, &cfg()).unwrap_err();
+            assert!(matches!(e, InspectError::Body(_)), "{e}");
         }
     }
 

@@ -287,6 +287,12 @@ impl ResponseMeter {
         }
     }
 
+    /// Bytes held for an event not finished yet (its line and data so far, and what usage
+    /// stripping holds back): bounded by the longest event, not the stream.
+    pub fn buffered(&self) -> usize {
+        self.sse.as_ref().map_or(0, SseParser::buffered) + self.held.len()
+    }
+
     /// The bytes of the last chunk reached the client's connection at `now`: its output events
     /// happened then, as far as the client can tell (several in one chunk: gaps of zero).
     pub fn delivered(&mut self, now: Instant) {

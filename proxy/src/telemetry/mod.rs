@@ -36,6 +36,8 @@ pub struct Metrics {
     pub proxy_errors: IntCounterVec,
     /// Attempts retried on another replica, by reason.
     pub retries: IntCounterVec,
+    /// Connections closed because their first request header did not arrive in time.
+    pub slow_headers_closed: IntCounter,
     /// Requests made with each client API key, by outcome (`accepted`, `rate_limited`).
     pub key_requests: IntCounterVec,
     /// Requests whose body could not be inspected (routed without prefix information).
@@ -200,6 +202,11 @@ impl Metrics {
                 "Attempts retried on another replica before any response byte reached the client.",
                 &["reason"],
             ),
+            slow_headers_closed: IntCounter::new(
+                "headroom_slow_header_connections_closed_total",
+                "Connections closed because their first request header did not arrive within timeouts.header_read_ms (slowloris).",
+            )
+            .expect("valid metric"),
             key_requests: counter(
                 "headroom_key_requests_total",
                 "Requests made with each client API key, by outcome (accepted, rate_limited).",
@@ -474,6 +481,7 @@ impl Metrics {
             Box::new(m.proxy_errors.clone()),
             Box::new(m.retries.clone()),
             Box::new(m.key_requests.clone()),
+            Box::new(m.slow_headers_closed.clone()),
             Box::new(m.uninspectable.clone()),
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),

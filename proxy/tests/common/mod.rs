@@ -105,3 +105,108 @@ pub fn options(target: String, seed: u64, time_scale: f64) -> ReplayOptions {
         headers: Vec::new(),
     }
 }
+
+/// What a [`recording_engine`] saw.
+#[derive(Debug, Default)]
+pub struct Seen {
+    /// The headers of every generation request, in order.
+    pub headers: std::sync::Mutex<Vec<std::collections::BTreeMap<String, String>>>,
+    /// Streamed responses still being sent.
+    pub open_streams: std::sync::atomic::AtomicUsize,
+}
+
+impl Seen {
+    /// Generation requests received.
+    pub fn requests(&self) -> usize {
+        self.headers.lock().unwrap().len()
+    }
+
+    /// The headers of the last generation request.
+    pub fn last(&self) -> std::collections::BTreeMap<String, String> {
+        self.headers
+            .lock()
+            .unwrap()
+            .last()
+            .cloned()
+            .expect("a request")
+    }
+}
+
+/// Decrements a counter when the response stream holding it is dropped (sent or cancelled).
+struct OpenStream(std::sync::Arc<Seen>);
+
+impl Drop for OpenStream {
+    fn drop(&mut self) {
+        self.0
+            .open_streams
+            .fetch_sub(1, std::sync::atomic::Ordering::SeqCst);
+    }
+}
+
+/// An engine that records every completion request's headers. By its `x-test-mode` header it
+/// answers at once (absent), streams one SSE line of `line_bytes` that never ends (`endless-line`),
+/// or streams 64 KB events without end (`firehose`).
+pub async fn recording_engine() -> (String, std::sync::Arc<Seen>) {
+    use axum::http::HeaderMap;
+    use axum::response::IntoResponse;
+    use axum::routing::{get, post};
+    let seen = std::sync::Arc::new(Seen::default());
+    let log = seen.clone();
+    let app = axum::Router::new()
+        .route("/health", get(|| async { "" }))
+        .route(
+            "/v1/completions",
+            post(move |headers: HeaderMap| {
+                let log = log.clone();
+                async move {
+                    let h = headers
+                        .iter()
+                        .map(|(k, v)| (k.to_string(), v.to_str().unwrap_or("?").to_owned()))
+                        .collect();
+                    log.headers.lock().unwrap().push(h);
+                    let mode = headers
+                        .get("x-test-mode")
+                        .and_then(|v| v.to_str().ok())
+                        .unwrap_or("")
+                        .to_owned();
+                    if mode.is_empty() {
+                        return axum::Json(serde_json::json!({
+                            "id": "cmpl-1", "object": "text_completion", "model": "m",
+                            "choices": [{"index": 0, "text": " ok", "finish_reason": "stop"}],
+                            "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
+                        }))
+                        .into_response();
+                    }
+                    log.open_streams
+                        .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
+                    let guard = OpenStream(log.clone());
+                    let first: &'static [u8] = if mode == "endless-line" {
+                        b"data: {\"x\": \""
+                    } else {
+                        b""
+                    };
+                    let piece: bytes::Bytes = if mode == "endless-line" {
+                        vec![b'a'; 65_536].into()
+                    } else {
+                        let mut e = b"data: {\"choices\":[{\"text\":\"".to_vec();
+                        e.extend(std::iter::repeat_n(b'b', 65_536));
+                        e.extend_from_slice(b"\"}]}\n\n");
+                        e.into()
+                    };
+                    // At most 64 MB, so a test that fails cannot stream forever.
+                    let chunks = std::iter::once(bytes::Bytes::from_static(first))
+                        .chain(std::iter::repeat_n(piece, 1024))
+                        .map(move |c| {
+                            let _held = &guard;
+                            Ok::<_, std::io::Error>(c)
+                        });
+                    let body = axum::body::Body::from_stream(futures_util::stream::iter(chunks));
+                    ([("content-type", "text/event-stream")], body).into_response()
+                }
+            }),
+        );
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move { axum::serve(listener, app).await });
+    (url, seen)
+}

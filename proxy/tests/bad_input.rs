@@ -1,0 +1,275 @@
+//! The bad inputs a proxy of this kind must survive (docs/reliability.md): oversized or malformed
+//! headers, slow clients, unbounded or ambiguous bodies, JSON bombs, a replica that sends a line
+//! without end, a client that stops reading. Each is refused or cut off with a clear answer, and
+//! refused requests never reach an engine.
+
+mod common;
+
+use std::sync::atomic::Ordering;
+use std::time::{Duration, Instant};
+
+use common::recording_engine;
+use headroom_config::serve::ServeConfig;
+use headroom_proxy::ServeHandle;
+use tokio::io::{AsyncReadExt, AsyncWriteExt};
+use tokio::net::TcpStream;
+
+async fn proxy(url: &str, tune: impl FnOnce(&mut ServeConfig)) -> ServeHandle {
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[url.to_owned()], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.scrape.interval_ms = 0;
+    tune(&mut cfg);
+    headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap()
+}
+
+/// Sends `raw` and reads until the proxy closes the connection or 10 s pass; returns what came
+/// back and whether the connection was closed.
+async fn exchange(h: &ServeHandle, raw: &[u8]) -> (String, bool) {
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    tcp.write_all(raw).await.unwrap();
+    read_all(&mut tcp, Duration::from_secs(10)).await
+}
+
+async fn read_all(tcp: &mut TcpStream, within: Duration) -> (String, bool) {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 65_536];
+    let deadline = tokio::time::Instant::now() + within;
+    loop {
+        match tokio::time::timeout_at(deadline, tcp.read(&mut buf)).await {
+            Ok(Ok(0)) | Ok(Err(_)) => return (String::from_utf8_lossy(&got).into(), true),
+            Ok(Ok(n)) => got.extend_from_slice(&buf[..n]),
+            Err(_) => return (String::from_utf8_lossy(&got).into(), false),
+        }
+    }
+}
+
+fn status(response: &str) -> u16 {
+    response
+        .split(' ')
+        .nth(1)
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("no status line in {response:?}"))
+}
+
+const BODY: &str = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
+
+/// A completion request on a connection kept alive after it.
+fn keepalive_request(extra_headers: &str, body: &str) -> Vec<u8> {
+    format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: a\r\n{extra_headers}content-length: {}\r\n\r\n{body}",
+        body.len()
+    )
+    .into_bytes()
+}
+
+/// A completion request on a connection the client closes after it.
+fn request(extra_headers: &str, body: &str) -> Vec<u8> {
+    keepalive_request(&format!("connection: close\r\n{extra_headers}"), body)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn malformed_or_oversized_headers_never_reach_an_engine() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |_| {}).await;
+
+    let big = format!("x-big: {}\r\n", "a".repeat(100_000));
+    let (r, closed) = exchange(&h, &keepalive_request(&big, BODY)).await;
+    assert_eq!(status(&r), 431, "{r}");
+    assert!(r.contains("x-headroom-error: headers_too_large"), "{r}");
+    assert!(
+        closed,
+        "the unread body must not be taken as the next request"
+    );
+
+    let many: String = (0..120).map(|i| format!("x-h{i}: v\r\n")).collect();
+    assert_eq!(status(&exchange(&h, &request(&many, BODY)).await.0), 431);
+    // Past pingora's own parser limit (256 fields) the answer is its 400.
+    let too_many: String = (0..300).map(|i| format!("x-h{i}: v\r\n")).collect();
+    assert_eq!(
+        status(&exchange(&h, &request(&too_many, BODY)).await.0),
+        400
+    );
+
+    for bad in ["x-a: a\0b\r\n", "x-a: a\rb\r\n", "content-length: 5\r\n"] {
+        let (r, closed) = exchange(&h, &request(bad, BODY)).await;
+        assert_eq!(status(&r), 400, "{bad:?}: {r}");
+        assert!(closed, "{bad:?}");
+    }
+    assert_eq!(seen.requests(), 0, "an engine saw a refused request");
+
+    // Framed two ways: read as chunked (RFC 9112 §6.3), and the connection closed after it, so
+    // the request smuggled behind the chunked body is never served.
+    let smuggle = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\
+         transfer-encoding: chunked\r\n\r\n{:x}\r\n{BODY}\r\n0\r\n\r\n\
+         GET /v1/models HTTP/1.1\r\nhost: a\r\n\r\n",
+        BODY.len()
+    );
+    let (r, closed) = exchange(&h, smuggle.as_bytes()).await;
+    assert_eq!(status(&r), 200, "{r}");
+    assert!(closed);
+    assert_eq!(
+        r.matches("HTTP/1.1").count(),
+        1,
+        "a smuggled request was served: {r}"
+    );
+    assert_eq!(seen.requests(), 1);
+    // The proxy still serves.
+    assert_eq!(status(&exchange(&h, &request("", BODY)).await.0), 200);
+    assert_eq!(seen.requests(), 2);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bodies_are_bounded_framed_once_and_json() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |c| c.limits.max_body_bytes = 4096).await;
+
+    // A chunked body is counted as it arrives: refused at the limit, not after reading it all.
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    tcp.write_all(
+        b"POST /v1/completions HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n",
+    )
+    .await
+    .unwrap();
+    let chunk = format!("400\r\n{}\r\n", "x".repeat(1024));
+    for _ in 0..5 {
+        tcp.write_all(chunk.as_bytes()).await.unwrap();
+    }
+    let (r, _) = read_all(&mut tcp, Duration::from_secs(10)).await;
+    assert_eq!(status(&r), 413, "{r}");
+
+    let bad_chunk = b"POST /v1/completions HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\
+                      transfer-encoding: chunked\r\n\r\n\
+                      zz\r\nhello\r\n0\r\n\r\n";
+    assert_eq!(status(&exchange(&h, bad_chunk).await.0), 400);
+
+    let bomb = format!(r#"{{"prompt": {}1{}}}"#, "[".repeat(1500), "]".repeat(1500));
+    let (r, _) = exchange(&h, &request("", &bomb)).await;
+    assert_eq!(status(&r), 400, "{r}");
+    assert!(r.contains("x-headroom-error: bad_request"), "{r}");
+    assert!(r.contains("not JSON"), "{r}");
+    assert_eq!(
+        status(&exchange(&h, &request("", "{\"prompt\": ")).await.0),
+        400
+    );
+    assert_eq!(seen.requests(), 0, "an engine saw a refused request");
+
+    // JSON the proxy cannot read as a request is still the engine's to judge.
+    let (r, _) = exchange(&h, &request("", r#"{"prompt": {"odd": 1}}"#)).await;
+    assert_eq!(status(&r), 200, "{r}");
+    assert_eq!(seen.requests(), 1);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn slow_clients_are_cut_off_without_slowing_others() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |c| {
+        c.timeouts.header_read_ms = 300;
+        c.timeouts.body_read_ms = 300;
+    })
+    .await;
+
+    // Twenty slowloris connections, each trickling its header.
+    let mut slow = Vec::new();
+    for _ in 0..20 {
+        let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+        tcp.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: a\r\n")
+            .await
+            .unwrap();
+        slow.push(tcp);
+    }
+    // Meanwhile a real request is answered.
+    let t = Instant::now();
+    assert_eq!(status(&exchange(&h, &request("", BODY)).await.0), 200);
+    assert!(
+        t.elapsed() < Duration::from_millis(250),
+        "{:?}",
+        t.elapsed()
+    );
+    for tcp in &mut slow {
+        let _ = tcp.write_all(b"x-a: 1\r\n").await;
+        let (r, closed) = read_all(tcp, Duration::from_secs(5)).await;
+        assert!(closed && r.is_empty(), "slowloris kept open: {r:?}");
+    }
+    let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    assert_eq!(
+        common::metric(&m, "headroom_slow_header_connections_closed_total"),
+        20.0
+    );
+
+    // A body that stalls halfway: 408.
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    tcp.write_all(b"POST /v1/completions HTTP/1.1\r\nhost: a\r\ncontent-length: 100\r\n\r\n{")
+        .await
+        .unwrap();
+    let (r, closed) = read_all(&mut tcp, Duration::from_secs(5)).await;
+    assert_eq!(status(&r), 408, "{r}");
+    assert!(r.contains("body_timeout"), "{r}");
+    assert!(closed);
+    assert_eq!(
+        seen.requests(),
+        1,
+        "only the real request reached the engine"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_line_without_end_is_capped_and_cut() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |c| c.limits.max_event_bytes = 65_536).await;
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1,"stream":true}"#;
+    let (r, closed) = exchange(&h, &request("x-test-mode: endless-line\r\n", body)).await;
+    assert_eq!(status(&r), 200, "{}", &r[..r.len().min(300)]);
+    assert!(closed);
+    assert!(
+        r.contains("an event longer than 65536 bytes"),
+        "{}",
+        &r[r.len().saturating_sub(400)..]
+    );
+    // The client got the error event, not megabytes of the line, and the engine's stream ended.
+    assert!(r.len() < 300_000, "{} bytes relayed", r.len());
+    for _ in 0..200 {
+        if seen.open_streams.load(Ordering::SeqCst) == 0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(
+        seen.open_streams.load(Ordering::SeqCst),
+        0,
+        "upstream still open"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_stops_reading_is_dropped_and_its_request_cancelled() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |c| c.timeouts.client_write_ms = 300).await;
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1,"stream":true}"#;
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    tcp.write_all(&request("x-test-mode: firehose\r\n", body))
+        .await
+        .unwrap();
+    // Never read: the socket buffers fill, the proxy's write stalls, and the stall is bounded.
+    let mut cancelled = false;
+    for _ in 0..1000 {
+        if seen.requests() == 1 && seen.open_streams.load(Ordering::SeqCst) == 0 {
+            cancelled = true;
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert!(
+        cancelled,
+        "the engine is still streaming to a client that stopped reading"
+    );
+    let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    assert!(
+        m.lines()
+            .any(|l| l.starts_with("headroom_client_aborts_total") && l.ends_with(" 1")),
+        "{m}"
+    );
+    drop(tcp);
+}
