@@ -91,7 +91,7 @@ impl ServeArgs {
     }
 }
 
-/// Runs the proxy until Ctrl-C or SIGTERM.
+/// Runs the proxy until Ctrl-C or SIGTERM, then drains (`[shutdown]`); a second signal stops at once.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let (policy, n) = (cfg.routing.policy.clone(), cfg.backends.len());
@@ -110,6 +110,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         .as_ref()
         .map_or_else(|| "capture off".to_owned(), |p| format!("capture to {p}"));
     let pools = cfg.pool_list().len();
+    let (drain, grace) = (
+        std::time::Duration::from_millis(cfg.shutdown.drain_ms),
+        std::time::Duration::from_millis(cfg.shutdown.grace_ms),
+    );
     let handle = headroom_proxy::start(cfg)
         .await
         .context("starting the proxy")?;
@@ -124,7 +128,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         r = tokio::signal::ctrl_c() => r?,
         _ = term.recv() => {}
     }
-    eprintln!("headroom serve: stopping");
-    handle.shutdown().await;
+    eprintln!(
+        "headroom serve: draining ({} open): still serving for {drain:?} while /readyz says 503, \
+         then up to {grace:?} for open requests — signal again to stop now",
+        handle.lifecycle.open()
+    );
+    let draining = handle.drain(drain, grace);
+    tokio::select! {
+        left = draining => {
+            if left > 0 {
+                eprintln!("headroom serve: grace period over, {left} request(s) cut");
+            } else {
+                eprintln!("headroom serve: drained, every request finished");
+            }
+        }
+        r = tokio::signal::ctrl_c() => { r?; eprintln!("headroom serve: stopped before the drain ended"); }
+        _ = term.recv() => eprintln!("headroom serve: stopped before the drain ended"),
+    }
     Ok(())
 }

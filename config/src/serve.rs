@@ -66,6 +66,31 @@ pub struct ServeConfig {
     /// Who may use the proxy, and which client headers are trusted.
     #[serde(default)]
     pub security: SecurityConfig,
+    /// What a terminating proxy does (SIGTERM).
+    #[serde(default)]
+    pub shutdown: ShutdownConfig,
+}
+
+/// Draining at SIGTERM: announce, keep serving, then let open requests finish.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct ShutdownConfig {
+    /// After SIGTERM the proxy keeps accepting (no request is refused) while `/readyz` answers
+    /// 503 and keep-alive connections are closed after each response, so load balancers take it
+    /// out of rotation; then it stops listening.
+    pub drain_ms: u64,
+    /// Then open requests (streams included) get this long to finish before the proxy exits.
+    pub grace_ms: u64,
+}
+
+impl Default for ShutdownConfig {
+    fn default() -> Self {
+        // Together within Kubernetes' default terminationGracePeriodSeconds (30 s).
+        Self {
+            drain_ms: 5_000,
+            grace_ms: 20_000,
+        }
+    }
 }
 
 /// Client authentication and the treatment of client-supplied forwarding headers.
@@ -626,6 +651,7 @@ impl ServeConfig {
             pools: Vec::new(),
             kv_events: KvEventsConfig::default(),
             security: SecurityConfig::default(),
+            shutdown: ShutdownConfig::default(),
         }
     }
 
@@ -1262,6 +1288,7 @@ mod tests {
         assert_eq!(c.admission, AdmissionConfig::default());
         assert_eq!(c.kv_events, KvEventsConfig::default());
         assert_eq!(c.security, SecurityConfig::default());
+        assert_eq!(c.shutdown, ShutdownConfig::default());
         assert_eq!(
             c.capture,
             CaptureConfig {

@@ -20,6 +20,7 @@ use pingora::upstreams::peer::HttpPeer;
 use crate::auth::Keys;
 use crate::error::{ErrorKind, ProxyError};
 use crate::forward::{Ended, HeaderRules, Outgoing};
+use crate::lifecycle::{Lifecycle, OpenRequest};
 use crate::record::PromptFacts;
 use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
 use crate::telemetry::Metrics;
@@ -57,6 +58,8 @@ pub struct Headroom {
     pub keys: Option<Arc<Keys>>,
     /// What forwarding removes from and sets on request headers.
     pub headers: HeaderRules,
+    /// Open requests and draining.
+    pub lifecycle: Arc<Lifecycle>,
 }
 
 /// A pool resolved against the fleet.
@@ -144,6 +147,8 @@ pub struct RequestCtx {
     pub prompt: Option<PromptFacts>,
     /// The client's API key (its index in the configured keys), once checked.
     pub key: Option<usize>,
+    /// Counts the request open until the context is dropped.
+    pub open: OpenRequest,
 }
 
 enum Route {
@@ -596,6 +601,7 @@ impl ProxyHttp for Headroom {
             completed: false,
             prompt: None,
             key: None,
+            open: self.lifecycle.open_request(),
         }
     }
 
@@ -624,6 +630,10 @@ impl ProxyHttp for Headroom {
         ctx.start = Instant::now();
         ctx.arrival = SystemTime::now();
         ctx.request_id = request_id(session);
+        if self.lifecycle.draining() {
+            // Clients reconnect, through the load balancer, to a proxy that is staying.
+            session.set_keepalive(None);
+        }
         session
             .as_downstream_mut()
             .set_write_timeout(Some(Duration::from_millis(

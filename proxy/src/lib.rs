@@ -9,6 +9,7 @@
 //! - `record`: the end of each generation request's timing record (metrics, goodput, capture)
 //! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
 //! - `auth`: client API keys (constant-time check, class, rate limit)
+//! - `lifecycle`: open requests and draining at SIGTERM
 //! - `error`: proxy-made answers and their HTTP statuses, in one place
 
 pub mod admission;
@@ -16,6 +17,7 @@ pub mod app;
 pub mod auth;
 pub mod error;
 pub mod forward;
+pub mod lifecycle;
 pub mod record;
 pub mod routing;
 pub mod server;

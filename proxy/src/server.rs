@@ -23,6 +23,7 @@ use tokio::task::JoinHandle;
 use crate::admission::Admission;
 use crate::admission::cap::{CapParams, Change, Feedback};
 use crate::app::Headroom;
+use crate::lifecycle::Lifecycle;
 use crate::routing::{
     ConsistentHash, KvEvents, KvIndex, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin,
     RoutingPolicy, Session,
@@ -70,6 +71,9 @@ pub struct ServeHandle {
     pub capture: Option<Arc<Capture>>,
     /// Admission, when enabled.
     pub admission: Option<Arc<Admission>>,
+    /// Open requests and draining.
+    pub lifecycle: Arc<Lifecycle>,
+    accept_stop: watch::Sender<bool>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -77,11 +81,33 @@ pub struct ServeHandle {
 impl ServeHandle {
     /// Stops accepting, stops the background loops and waits for them, then flushes the capture.
     pub async fn shutdown(mut self) {
+        let _ = self.accept_stop.send(true);
         let _ = self.stop.send(true);
         for t in std::mem::take(&mut self.tasks) {
             let _ = t.await;
         }
         self.flush_capture().await;
+    }
+
+    /// Drains, as at SIGTERM: for `announce` the proxy keeps serving every request (none is
+    /// refused) while `/readyz` answers 503 and keep-alive connections close after each
+    /// response; then it stops listening and gives open requests up to `grace` to finish; then it
+    /// shuts down. Returns how many requests were still open when the grace period ended.
+    pub async fn drain(self, announce: Duration, grace: Duration) -> i64 {
+        self.lifecycle.start_draining();
+        tracing::info!(
+            open = self.lifecycle.open(),
+            "draining: announcing for {announce:?}"
+        );
+        tokio::time::sleep(announce).await;
+        let _ = self.accept_stop.send(true);
+        tracing::info!(open = self.lifecycle.open(), "draining: stopped listening");
+        let left = match tokio::time::timeout(grace, self.lifecycle.all_closed()).await {
+            Ok(()) => 0,
+            Err(_) => self.lifecycle.open(),
+        };
+        self.shutdown().await;
+        left
     }
 
     /// Waits until every trace record of a finished request is on disk (at most 10 s).
@@ -206,7 +232,9 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         .pool_idle_timeout(Duration::from_secs(30))
         .build()
         .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
+    let lifecycle = Lifecycle::new(metrics.open_requests.clone());
     let headroom = Headroom {
+        lifecycle: lifecycle.clone(),
         fleet: fleet.clone(),
         policy: policy.clone(),
         passthrough: LeastLoad,
@@ -257,11 +285,13 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         max_bytes: cfg.limits.max_header_bytes as usize + 8192,
         closed: metrics.slow_headers_closed.clone(),
     };
+    // Listening stops on its own signal: a draining proxy still runs everything else.
+    let (accept_stop, accept_rx) = watch::channel(false);
     tasks.push(tokio::spawn(accept_loop(
         listener,
         app,
         first_header,
-        stop_rx.clone(),
+        accept_rx,
     )));
 
     if let Some(index) = &kv_index {
@@ -286,6 +316,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         }
     }
     let admin = admin_router(
+        lifecycle.clone(),
         fleet.clone(),
         metrics.clone(),
         stats.clone(),
@@ -367,6 +398,8 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         stats,
         capture,
         admission,
+        lifecycle,
+        accept_stop,
         stop,
         tasks,
     })
@@ -460,6 +493,7 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
 }
 
 fn admin_router(
+    lifecycle: Arc<Lifecycle>,
     fleet: Arc<Fleet>,
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
@@ -549,9 +583,11 @@ fn admin_router(
         .route(
             "/readyz",
             get(move || {
-                let fleet = ready_fleet.clone();
+                let (fleet, lifecycle) = (ready_fleet.clone(), lifecycle.clone());
                 async move {
-                    if fleet.any_available() {
+                    if lifecycle.draining() {
+                        (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()
+                    } else if fleet.any_available() {
                         (StatusCode::OK, "ready\n").into_response()
                     } else {
                         (StatusCode::SERVICE_UNAVAILABLE, "no healthy replica\n").into_response()

@@ -36,6 +36,8 @@ pub struct Metrics {
     pub proxy_errors: IntCounterVec,
     /// Attempts retried on another replica, by reason.
     pub retries: IntCounterVec,
+    /// Requests open at the proxy (read, queued, forwarded or being relayed).
+    pub open_requests: prometheus::IntGauge,
     /// Connections closed because their first request header did not arrive in time.
     pub slow_headers_closed: IntCounter,
     /// Requests made with each client API key, by outcome (`accepted`, `rate_limited`).
@@ -202,6 +204,11 @@ impl Metrics {
                 "Attempts retried on another replica before any response byte reached the client.",
                 &["reason"],
             ),
+            open_requests: prometheus::IntGauge::new(
+                "headroom_open_requests",
+                "Requests open at the proxy: read, queued, forwarded or being relayed.",
+            )
+            .expect("valid metric"),
             slow_headers_closed: IntCounter::new(
                 "headroom_slow_header_connections_closed_total",
                 "Connections closed because their first request header did not arrive within timeouts.header_read_ms (slowloris).",
@@ -482,6 +489,7 @@ impl Metrics {
             Box::new(m.retries.clone()),
             Box::new(m.key_requests.clone()),
             Box::new(m.slow_headers_closed.clone()),
+            Box::new(m.open_requests.clone()),
             Box::new(m.uninspectable.clone()),
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),
