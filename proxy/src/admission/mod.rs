@@ -196,7 +196,9 @@ impl Admission {
         mut pick: impl FnMut(&[Room]) -> Result<Pick, E>,
     ) -> Result<Permit, Result<Refusal, E>> {
         let deadline = tokio::time::Instant::now() + ask.timeout;
-        let mut key: Option<WaitKey> = None;
+        // Our place in the queue, once we have one; dropped on every way out (admitted, refused,
+        // timed out, or the client gone while waiting), it leaves the queue.
+        let mut entry: Option<QueueEntry<'_>> = None;
         let mut woken = false;
         loop {
             let rx = {
@@ -221,7 +223,9 @@ impl Admission {
                         Err(e) => return Err(Err(e)),
                         Ok(Pick::Backend(b)) => {
                             g.slots[b].in_flight += 1;
-                            if key.is_some() {
+                            if let Some(mut e) = entry.take() {
+                                // Left the queue here, under the lock already held.
+                                e.armed = false;
                                 release_queue_entry(&mut g, ask.class);
                                 // Others may fit where this one did not.
                                 let free = g.slots.iter().any(|s| s.cap.fits(s.in_flight));
@@ -237,8 +241,8 @@ impl Admission {
                         Ok(Pick::NoRoom) => {}
                     }
                 }
-                let k = match key {
-                    Some(k) => k,
+                let k = match &entry {
+                    Some(e) => e.key,
                     None => {
                         let queued = g.queued_by_class.get(ask.class).copied().unwrap_or(0);
                         if queued >= ask.max_queue {
@@ -247,7 +251,12 @@ impl Admission {
                         *g.queued_by_class.entry(ask.class.to_owned()).or_default() += 1;
                         let k = (std::cmp::Reverse(ask.priority), g.next_seq);
                         g.next_seq += 1;
-                        key = Some(k);
+                        entry = Some(QueueEntry {
+                            admission: self,
+                            key: k,
+                            class: ask.class,
+                            armed: true,
+                        });
                         k
                     }
                 };
@@ -264,13 +273,6 @@ impl Admission {
             let wake = tokio::time::timeout_at(deadline, rx).await;
             woken = wake.is_ok();
             if wake.is_err() {
-                let mut g = self.lock();
-                let still_waiting = key.is_some_and(|k| g.waiters.remove(&k).is_some());
-                if !still_waiting {
-                    // Woken just as the deadline passed: hand the wake to the next in line.
-                    wake_first(&mut g, 1);
-                }
-                release_queue_entry(&mut g, ask.class);
                 return Err(Ok(Refusal::QueueTimeout));
             }
         }
@@ -325,6 +327,31 @@ impl Admission {
     /// Requests waiting, by class.
     pub fn queued(&self) -> BTreeMap<String, usize> {
         self.lock().queued_by_class.clone()
+    }
+}
+
+/// A request's place in the queue. Dropped while armed (refused, timed out, or its client gone
+/// while it waited), it takes its waiter out and, if a wake was already on its way to it, hands
+/// that wake to the next in line, so no slot is left unclaimed.
+struct QueueEntry<'a> {
+    admission: &'a Admission,
+    key: WaitKey,
+    class: &'a str,
+    /// Cleared when the request leaves the queue admitted (released under the lock then).
+    armed: bool,
+}
+
+impl Drop for QueueEntry<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut g = self.admission.lock();
+        if g.waiters.remove(&self.key).is_none() {
+            // Woken, but leaving: the wake goes to the next waiter.
+            wake_first(&mut g, 1);
+        }
+        release_queue_entry(&mut g, self.class);
     }
 }
 
@@ -407,6 +434,59 @@ mod tests {
         assert!(a.retry_after() >= 1);
         drop((pi, pb));
         assert_eq!(a.slots(), vec![(Some(1), 0), (Some(1), 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_whose_client_left_or_whose_pick_failed_leaves_the_queue() {
+        let a = admission(1, 1);
+        let held = a.acquire(&ask("batch", 0), first).await.unwrap();
+        // The client goes away while queued: its future is dropped.
+        let gone = {
+            let a = a.clone();
+            tokio::spawn(async move { a.acquire(&ask("batch", 0), first).await })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued()["batch"], 1);
+        gone.abort();
+        let _ = gone.await;
+        assert!(a.queued().is_empty(), "{:?}", a.queued());
+        // Queued, then woken into a fleet with no healthy replica: refused, and out of the queue.
+        let failing = {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let mut calls = 0;
+                a.acquire(&ask("batch", 0), move |room: &[Room]| {
+                    calls += 1;
+                    if calls == 1 { first(room) } else { Err(()) }
+                })
+                .await
+            })
+        };
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued()["batch"], 1);
+        drop(held);
+        assert!(matches!(failing.await.unwrap(), Err(Err(()))));
+        assert!(a.queued().is_empty(), "{:?}", a.queued());
+        // Woken, then gone before taking the slot: the wake passes to the next waiter.
+        let held = a.acquire(&ask("batch", 0), first).await.unwrap();
+        let (first_waiter, second_waiter) = {
+            let spawn = || {
+                let a = a.clone();
+                tokio::spawn(async move { a.acquire(&ask("batch", 0), first).await })
+            };
+            let f = spawn();
+            tokio::task::yield_now().await;
+            (f, spawn())
+        };
+        tokio::task::yield_now().await;
+        drop(held); // wakes the first waiter…
+        first_waiter.abort(); // …which leaves before it runs
+        let _ = first_waiter.await;
+        let got = second_waiter.await.unwrap().unwrap();
+        assert_eq!(got.backend, 0);
+        drop(got);
+        assert!(a.queued().is_empty());
+        assert_eq!(a.slots(), vec![(Some(1), 0)]);
     }
 
     #[tokio::test(start_paused = true)]
