@@ -417,6 +417,10 @@ pub struct LimitConfig {
     pub max_event_bytes: u64,
     /// Other replicas tried when one fails before any response byte reached the client.
     pub retries: u32,
+    /// Retries may add at most this share of the requests of the last 10 s…
+    pub retry_budget_ratio: f64,
+    /// …plus this many (so low traffic can still retry).
+    pub retry_budget_min: u32,
 }
 
 impl Default for LimitConfig {
@@ -427,6 +431,8 @@ impl Default for LimitConfig {
             max_headers: 100,
             max_event_bytes: 1 << 20,
             retries: 2,
+            retry_budget_ratio: 0.2,
+            retry_budget_min: 3,
         }
     }
 }
@@ -1037,6 +1043,14 @@ impl Validate for ServeConfig {
             "max_header_bytes",
             self.limits.max_header_bytes,
             "must be at least 1024",
+        );
+        check(
+            e,
+            (0.0..=10.0).contains(&self.limits.retry_budget_ratio),
+            &field_path(p, "limits"),
+            "retry_budget_ratio",
+            self.limits.retry_budget_ratio,
+            "must be between 0 and 10 (a share of requests)",
         );
         check(
             e,

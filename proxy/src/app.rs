@@ -60,6 +60,8 @@ pub struct Headroom {
     pub headers: HeaderRules,
     /// Open requests and draining.
     pub lifecycle: Arc<Lifecycle>,
+    /// Retries as a bounded share of requests.
+    pub retry_budget: crate::retry_budget::RetryBudget,
 }
 
 /// A pool resolved against the fleet.

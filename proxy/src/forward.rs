@@ -213,6 +213,17 @@ impl Headroom {
     ) -> Result<Ended, ProxyError> {
         let mut tried: Vec<usize> = Vec::new();
         let mut last_err: Option<ProxyError> = None;
+        self.retry_budget.on_request(Instant::now());
+        // Whether one more attempt may be made: within the per-request count and the budget.
+        let may_retry = |attempt: u32| {
+            attempt < self.cfg.limits.retries && {
+                let ok = self.retry_budget.try_retry(Instant::now());
+                if !ok {
+                    self.metrics.retries_over_budget.inc();
+                }
+                ok
+            }
+        };
         for attempt in 0..=self.cfg.limits.retries {
             let no_backend = |e: String| ProxyError::new(ErrorKind::NoBackend, e);
             let (pick, _permit) = match (&self.admission, out.record) {
@@ -362,7 +373,7 @@ impl Headroom {
                 }
                 Attempt::Failed(e) => {
                     self.fleet.request_failed(&backend);
-                    if e.retryable && attempt < self.cfg.limits.retries {
+                    if e.retryable && may_retry(attempt) {
                         self.metrics.retries.with_label_values(&[e.reason()]).inc();
                         last_err = Some(e);
                         continue;
@@ -371,7 +382,7 @@ impl Headroom {
                 }
             };
             let status = started.resp.status.as_u16();
-            if RETRY_STATUSES.contains(&status) && attempt < self.cfg.limits.retries {
+            if RETRY_STATUSES.contains(&status) && may_retry(attempt) {
                 self.fleet.request_failed(&backend);
                 self.metrics
                     .retries

@@ -9,6 +9,7 @@
 //! - `record`: the end of each generation request's timing record (metrics, goodput, capture)
 //! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
 //! - `auth`: client API keys (constant-time check, class, rate limit)
+//! - `retry_budget`: retries as a bounded share of requests
 //! - `lifecycle`: open requests and draining at SIGTERM
 //! - `error`: proxy-made answers and their HTTP statuses, in one place
 
@@ -19,6 +20,7 @@ pub mod error;
 pub mod forward;
 pub mod lifecycle;
 pub mod record;
+pub mod retry_budget;
 pub mod routing;
 pub mod server;
 pub mod telemetry;

@@ -235,6 +235,10 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let lifecycle = Lifecycle::new(metrics.open_requests.clone());
     let headroom = Headroom {
         lifecycle: lifecycle.clone(),
+        retry_budget: crate::retry_budget::RetryBudget::new(
+            cfg.limits.retry_budget_ratio,
+            cfg.limits.retry_budget_min,
+        ),
         fleet: fleet.clone(),
         policy: policy.clone(),
         passthrough: LeastLoad,

@@ -258,7 +258,9 @@ async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
     let a = sim(&["--failure-injection-rate", "100", "--failure-status", "503"]).await;
     let b = sim(&[]).await;
     let p = proxy(&[a.url(), b.url()], "round_robin", |c| {
-        c.health.eject_after = 100
+        c.health.eject_after = 100;
+        // Every request may meet the failing replica first: let each one retry.
+        c.limits.retry_budget_ratio = 1.0;
     })
     .await;
     let url = format!("http://{}/v1/chat/completions", p.addr);
@@ -430,4 +432,46 @@ async fn unknown_routes_large_bodies_limits_and_models() {
     p.shutdown().await;
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retries_are_budgeted_when_every_replica_fails() {
+    let (a, b) = (sim(&[]).await, sim(&[]).await);
+    let p = proxy(&[a.url(), b.url()], "round_robin", |c| {
+        c.limits.retries = 2;
+        // Failing replicas stay in rotation: the budget alone must bound the attempts.
+        c.health.eject_after = 1_000_000;
+    })
+    .await;
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    let requests = 100;
+    for i in 0..requests {
+        let resp = client()
+            .post(&url)
+            .header("x-headroom-fault", "error=503")
+            .json(&chat("s", &format!("q{i}"), 2, false))
+            .send()
+            .await
+            .unwrap();
+        assert!(
+            matches!(resp.status().as_u16(), 502 | 503),
+            "{}",
+            resp.status()
+        );
+    }
+    let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+    let retries: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("headroom_upstream_retries_total{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    let attempts = f64::from(requests) + retries;
+    // Envoy's promise: attempts ≤ 1.2 × requests + 3 (without a budget: 3 × requests).
+    assert!(
+        attempts <= 1.2 * f64::from(requests) + 3.0,
+        "{attempts} attempts"
+    );
+    // The budget was used (3 + 0.2 · 100), then refused the rest.
+    assert!(retries >= 20.0, "{retries} retries");
+    assert!(common::metric(&m, "headroom_retries_over_budget_total") >= 50.0);
 }

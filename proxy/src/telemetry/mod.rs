@@ -36,6 +36,8 @@ pub struct Metrics {
     pub proxy_errors: IntCounterVec,
     /// Attempts retried on another replica, by reason.
     pub retries: IntCounterVec,
+    /// Retries not made because the retry budget was spent.
+    pub retries_over_budget: IntCounter,
     /// Requests open at the proxy (read, queued, forwarded or being relayed).
     pub open_requests: prometheus::IntGauge,
     /// Connections closed because their first request header did not arrive in time.
@@ -204,6 +206,11 @@ impl Metrics {
                 "Attempts retried on another replica before any response byte reached the client.",
                 &["reason"],
             ),
+            retries_over_budget: IntCounter::new(
+                "headroom_retries_over_budget_total",
+                "Retries not made because the retry budget (limits.retry_budget_*) was spent; the failure went to the client.",
+            )
+            .expect("valid metric"),
             open_requests: prometheus::IntGauge::new(
                 "headroom_open_requests",
                 "Requests open at the proxy: read, queued, forwarded or being relayed.",
@@ -490,6 +497,7 @@ impl Metrics {
             Box::new(m.key_requests.clone()),
             Box::new(m.slow_headers_closed.clone()),
             Box::new(m.open_requests.clone()),
+            Box::new(m.retries_over_budget.clone()),
             Box::new(m.uninspectable.clone()),
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),
