@@ -1,0 +1,150 @@
+#!/usr/bin/env bash
+# Soak: a sustained load at a fraction of the fleet's capacity through `headroom serve`, with
+# clients that give up early and replicas killed (SIGKILL) and restarted, for DURATION seconds.
+# Records the proxy's RSS every 10 s, every request's outcome and TTFT (headroom replay), and at
+# the end the proxy's gauges at rest. Loopback only; bounded by DURATION.
+#
+#   scripts/soak.sh                         # 30 minutes at 80% of capacity, a kill every 2 minutes
+#   DURATION=120 KILL_EVERY=30 scripts/soak.sh
+#
+# Capacity: each simulated replica runs at most MAX_SEQS sequences with constant step times
+# (TTFT_MS for a step with prefill, ITL_MS otherwise), so it completes MAX_SEQS / (request time)
+# requests per second; the load is LOAD of that over REPLICAS replicas, Poisson.
+set -euo pipefail
+cd "$(dirname "$0")/.."
+DURATION=${DURATION:-1800}
+LOAD=${LOAD:-0.8}
+REPLICAS=${REPLICAS:-2}
+MAX_SEQS=${MAX_SEQS:-48}
+TTFT_MS=${TTFT_MS:-30}
+ITL_MS=${ITL_MS:-25}
+KILL_EVERY=${KILL_EVERY:-120}
+ABORTS_PER_S=${ABORTS_PER_S:-2}
+SEED=${SEED:-1}
+OUT=${OUT:-results/soak}
+rm -rf "$OUT"
+mkdir -p "$OUT"
+cargo build --release --locked -q
+bin=target/release/headroom
+source scripts/bench-common.sh
+# Restarted replicas are not children the shared cleanup knows: stop them too.
+soak_cleanup() {
+  for f in "$OUT"/sim-*.pid; do [ -f "$f" ] && kill -KILL "$(cat "$f")" 2>/dev/null || true; done
+  cleanup
+}
+trap soak_cleanup EXIT
+
+# The chat contract (short prompts, long heavy-tailed answers), enough rows for the whole run.
+$bin trace synth --contract chat --requests 200000 --rate 10 --seed "$SEED" -o "$OUT/pool.jsonl" >/dev/null
+read -r mean_out rate rows < <(python3 - "$OUT/pool.jsonl" "$MAX_SEQS" "$TTFT_MS" "$ITL_MS" "$REPLICAS" "$LOAD" "$DURATION" <<'PY'
+import json, sys
+path, seqs, ttft, itl, n, load, duration = sys.argv[1], *map(float, sys.argv[2:])
+outs = [json.loads(l)["output_length"] for l in open(path)]
+mean_out = sum(outs) / len(outs)
+request_s = (ttft + itl * (mean_out - 1)) / 1000
+rate = load * n * seqs / request_s
+print(round(mean_out, 1), round(rate, 3), int(rate * duration * 1.1) + 100)
+PY
+)
+head -n "$rows" "$OUT/pool.jsonl" >"$OUT/trace.jsonl"
+rm "$OUT/pool.jsonl"
+echo "soak: $REPLICAS replicas × $MAX_SEQS sequences, mean output $mean_out tokens; $rate req/s (${LOAD} of capacity) for ${DURATION}s" >&2
+
+# One process per replica, so each can be killed; restarted on the same port.
+sim_flags=(--latency-model constant --time-to-first-token "$TTFT_MS" --inter-token-latency "$ITL_MS"
+  --max-num-seqs "$MAX_SEQS" --max-model-len 200000)
+ports=()
+sim_pids=()
+for i in $(seq 0 $((REPLICAS - 1))); do
+  $bin sim --port 0 "${sim_flags[@]}" >"$OUT/sim-$i.url" 2>>"$OUT/sims.log" &
+  sim_pids[i]=$!
+  pids+=($!)
+  wait_line "$OUT/sim-$i.url" http
+  ports[i]=$(grep -o '[0-9]*$' "$OUT/sim-$i.url")
+done
+urls=$(for p in "${ports[@]}"; do printf 'http://127.0.0.1:%s,' "$p"; done)
+urls=${urls%,}
+
+$bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" \
+  >"$OUT/serve.url" 2>"$OUT/serve.log" &
+serve=$!
+pids+=($!)
+wait_line "$OUT/serve.log" "admin http"
+proxy=$(grep -m1 http "$OUT/serve.url")
+admin=$(grep -o 'admin http://[0-9.:]*' "$OUT/serve.log" | cut -d' ' -f2)
+
+start=$(date +%s)
+# The proxy's resident memory every 10 s.
+(
+  echo "elapsed_s,rss_kb"
+  while kill -0 "$serve" 2>/dev/null; do
+    echo "$(($(date +%s) - start)),$(awk '/VmRSS/ {print $2}' "/proc/$serve/status")"
+    sleep 10
+  done
+) >"$OUT/rss.csv" &
+pids+=($!)
+
+# Clients that give up after 0.1–0.9 s (mid-queue or mid-stream).
+(
+  body='{"model":"'"$(curl -sf "$proxy/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')"'","prompt":"a client that will not wait","max_tokens":200,"ignore_eos":true,"stream":true}'
+  n=0
+  pause=$(python3 -c "print(1 / $ABORTS_PER_S)")
+  while [ $(($(date +%s) - start)) -lt "$DURATION" ]; do
+    curl -s -o /dev/null -m "0.$((RANDOM % 9 + 1))" -H 'content-type: application/json' \
+      -d "$body" "$proxy/v1/completions" &
+    n=$((n + 1))
+    sleep "$pause"
+  done
+  wait
+  echo "$n" >"$OUT/aborting-clients.txt"
+) &
+pids+=($!)
+
+# A replica killed (SIGKILL) every KILL_EVERY s, in turn, and restarted 2 s later on its port.
+if [ "$KILL_EVERY" -gt 0 ]; then
+  (
+    k=0
+    while sleep "$KILL_EVERY" && [ $(($(date +%s) - start)) -lt "$((DURATION - KILL_EVERY / 2))" ]; do
+      i=$((k % REPLICAS))
+      kill -KILL "$(cat "$OUT/sim-$i.pid" 2>/dev/null || echo "${sim_pids[i]}")" 2>/dev/null || true
+      echo "$(($(date +%s) - start)) killed replica $i" >>"$OUT/kills.log"
+      sleep 2
+      $bin sim --port "${ports[i]}" "${sim_flags[@]}" >/dev/null 2>>"$OUT/sims.log" &
+      echo $! >"$OUT/sim-$i.pid"
+      k=$((k + 1))
+    done
+  ) &
+  pids+=($!)
+fi
+
+$bin replay --trace "$OUT/trace.jsonl" --target "$proxy" --rate "$rate" --duration "$DURATION" \
+  --seed "$SEED" --timeout 120 --slo ttft=2000,tpot=50 \
+  --hardware "headroom sim: $REPLICAS constant-latency replicas (TTFT ${TTFT_MS} ms, ITL ${ITL_MS} ms, ${MAX_SEQS} seqs), behind headroom serve" \
+  --out "$OUT" >"$OUT/replay.txt"
+sleep 5
+curl -sf "$admin/metrics" >"$OUT/metrics-at-rest.txt"
+curl -sf "$admin/stats" >"$OUT/stats.json"
+
+python3 - "$OUT" "$DURATION" <<'PY' | tee "$OUT/summary.md"
+import csv, sys
+out, duration = sys.argv[1], float(sys.argv[2])
+rows = list(csv.DictReader(open(f"{out}/requests.csv")))
+no_answer = [r for r in rows if r["status"] in ("", "0")]
+ok = [r for r in rows if r["status"] == "200" and not r["error"]]
+failed = len(rows) - len(ok) - len(no_answer)
+def p99(window):
+    xs = sorted(float(r["ttft_ms"]) for r in window if r["ttft_ms"])
+    return xs[int(0.99 * (len(xs) - 1))] if xs else float("nan")
+first = [r for r in ok if float(r["scheduled_ms"]) < 300_000]
+last = [r for r in ok if float(r["scheduled_ms"]) >= (duration - 300) * 1000]
+rss = [(float(r["elapsed_s"]), float(r["rss_kb"])) for r in csv.DictReader(open(f"{out}/rss.csv")) if r["rss_kb"]]
+after = [x for x in rss if x[0] >= 600] or rss
+growth = (after[-1][1] - after[0][1]) / 1024 / max((after[-1][0] - after[0][0]) / 600, 1e-9)
+gauges = [l for l in open(f"{out}/metrics-at-rest.txt") if l.startswith(("headroom_open_requests ", "headroom_backend_in_flight{", "headroom_admission_in_flight{", "headroom_queue_depth{"))]
+kills = sum(1 for _ in open(f"{out}/kills.log")) if __import__("os").path.exists(f"{out}/kills.log") else 0
+print(f"| requests | answered 200 | answered with an error | no answer | kills | p99 TTFT first 5 min | p99 TTFT last 5 min | change | RSS at 10 min | RSS at end | growth per 10 min | gauges at rest |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+change = (p99(last) / p99(first) - 1) * 100
+nonzero = [g.strip() for g in gauges if not g.strip().endswith(" 0")]
+print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MB | {after[-1][1]/1024:.1f} MB | {growth:+.2f} MB | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
+PY
