@@ -91,7 +91,8 @@ impl ServeArgs {
     }
 }
 
-/// Runs the proxy until Ctrl-C or SIGTERM, then drains (`[shutdown]`); a second signal stops at once.
+/// Runs the proxy until Ctrl-C or SIGTERM, then drains (`[shutdown]`); a second signal stops at
+/// once. SIGHUP reloads the config file (and the flags given), refusing a bad one.
 pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let cfg = args.config()?;
     let (policy, n) = (cfg.routing.policy.clone(), cfg.backends.len());
@@ -123,10 +124,22 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         handle.addr, handle.admin_addr
     );
     eprintln!("headroom serve: {pools} pool(s), {admission}, {capture}");
+    let mut handle = handle;
     let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
-    tokio::select! {
-        r = tokio::signal::ctrl_c() => r?,
-        _ = term.recv() => {}
+    let mut hangup = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup())?;
+    loop {
+        tokio::select! {
+            r = tokio::signal::ctrl_c() => { r?; break; }
+            _ = term.recv() => break,
+            _ = hangup.recv() => match args.config() {
+                // The file is read again and validated; a bad one changes nothing.
+                Err(e) => eprintln!("headroom serve: reload refused, still serving the previous config: {e:#}"),
+                Ok(cfg) => match handle.reload(cfg).await {
+                    Ok(()) => eprintln!("headroom serve: config reloaded; requests in progress finish on the previous one"),
+                    Err(e) => eprintln!("headroom serve: reload refused, still serving the previous config: {e}"),
+                },
+            },
+        }
     }
     eprintln!(
         "headroom serve: draining ({} open): still serving for {drain:?} while /readyz says 503, \

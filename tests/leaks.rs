@@ -183,7 +183,7 @@ async fn every_gauge_is_zero_at_rest_after_aborts_and_replica_kills() {
     // At rest: the last guards drop as their tasks finish; wait (bounded) for them.
     let at_rest = || {
         let loads: Vec<_> = h
-            .fleet
+            .fleet()
             .backends
             .iter()
             .map(|b| {
@@ -191,7 +191,7 @@ async fn every_gauge_is_zero_at_rest_after_aborts_and_replica_kills() {
                 (l.in_flight, l.pending_prefill_tokens, l.decoding)
             })
             .collect();
-        let adm = h.admission.as_ref().unwrap();
+        let adm = h.admission().unwrap();
         let permits: Vec<u32> = adm.slots().iter().map(|(_, n)| *n).collect();
         let queued: usize = adm.queued().values().sum();
         (h.lifecycle.open(), loads, permits, queued)

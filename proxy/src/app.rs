@@ -60,6 +60,8 @@ pub struct Headroom {
     pub headers: HeaderRules,
     /// Open requests and draining.
     pub lifecycle: Arc<Lifecycle>,
+    /// Set when a reloaded config replaced this one.
+    pub retired: Arc<std::sync::atomic::AtomicBool>,
     /// Retries as a bounded share of requests.
     pub retry_budget: crate::retry_budget::RetryBudget,
 }
@@ -632,8 +634,9 @@ impl ProxyHttp for Headroom {
         ctx.start = Instant::now();
         ctx.arrival = SystemTime::now();
         ctx.request_id = request_id(session);
-        if self.lifecycle.draining() {
-            // Clients reconnect, through the load balancer, to a proxy that is staying.
+        if self.lifecycle.draining() || self.retired.load(std::sync::atomic::Ordering::Acquire) {
+            // Clients reconnect: through the load balancer to a proxy that is staying, or to
+            // this one's current config.
             session.set_keepalive(None);
         }
         session

@@ -16,6 +16,7 @@ use headroom_workload::inspect::{Chain, InspectConfig, VllmChain};
 use headroom_workload::vllm_hash::{SaltKeys, VllmHasher};
 use pingora::apps::ServerApp;
 use pingora::connectors::http::Connector;
+use pingora::proxy::HttpProxy;
 use pingora::server::configuration::ServerConf;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
@@ -55,35 +56,84 @@ pub enum ServeError {
 }
 
 /// A running proxy.
-#[derive(Debug)]
 pub struct ServeHandle {
     /// Where clients connect.
     pub addr: SocketAddr,
     /// Where `/metrics`, `/healthz` and `/readyz` are served.
     pub admin_addr: SocketAddr,
-    /// The replicas and their state.
-    pub fleet: Arc<Fleet>,
     /// The proxy's metrics.
     pub metrics: Arc<Metrics>,
     /// The `/stats` windows.
     pub stats: Arc<Stats>,
     /// The trace capture, when configured.
     pub capture: Option<Arc<Capture>>,
-    /// Admission, when enabled.
-    pub admission: Option<Arc<Admission>>,
     /// Open requests and draining.
     pub lifecycle: Arc<Lifecycle>,
+    shared: Shared,
+    live: watch::Sender<Live>,
+    generation: Generation,
     accept_stop: watch::Sender<bool>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
 
+impl std::fmt::Debug for ServeHandle {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("ServeHandle")
+            .field("addr", &self.addr)
+            .field("admin_addr", &self.admin_addr)
+            .field("open", &self.lifecycle.open())
+            .finish_non_exhaustive()
+    }
+}
+
 impl ServeHandle {
+    /// The replicas and their state (of the config now serving).
+    pub fn fleet(&self) -> Arc<Fleet> {
+        self.generation.live.fleet.clone()
+    }
+
+    /// Admission (of the config now serving), when enabled.
+    pub fn admission(&self) -> Option<Arc<Admission>> {
+        self.generation.live.admission.clone()
+    }
+
+    /// Serves `cfg` from now on, without a restart and without touching a request in progress:
+    /// new connections get the new config; a keep-alive connection of the old one closes after its
+    /// current response; requests already in progress finish on the old one. The replicas' state
+    /// (health, load, prefix index, admission caps, KV event picture) starts afresh from `cfg`.
+    /// `listen`, `admin_listen` and `[capture]` need a restart: a change to them is refused, as is
+    /// a config that cannot be built; either way the old config keeps serving.
+    pub async fn reload(&mut self, cfg: ServeConfig) -> Result<(), ServeError> {
+        let old = &self.generation.cfg;
+        for (field, same) in [
+            ("listen", cfg.listen == old.listen),
+            ("admin_listen", cfg.admin_listen == old.admin_listen),
+            ("capture", cfg.capture == old.capture),
+        ] {
+            if !same {
+                return Err(ServeError::Config(format!(
+                    "{field} cannot change without a restart; the running config is unchanged"
+                )));
+            }
+        }
+        let next = Generation::start(Arc::new(cfg), &self.shared)?;
+        let _ = self.live.send(next.live.clone());
+        let old = std::mem::replace(&mut self.generation, next);
+        old.retire();
+        tracing::info!("config reloaded");
+        Ok(())
+    }
+
     /// Stops accepting, stops the background loops and waits for them, then flushes the capture.
     pub async fn shutdown(mut self) {
         let _ = self.accept_stop.send(true);
         let _ = self.stop.send(true);
-        for t in std::mem::take(&mut self.tasks) {
+        let _ = self.generation.stop.send(true);
+        let tasks = std::mem::take(&mut self.tasks)
+            .into_iter()
+            .chain(std::mem::take(&mut self.generation.tasks));
+        for t in tasks {
             let _ = t.await;
         }
         self.flush_capture().await;
@@ -119,6 +169,35 @@ impl ServeHandle {
             .await
             .unwrap_or(false)
     }
+}
+
+/// What lives across reloads.
+#[derive(Clone)]
+struct Shared {
+    metrics: Arc<Metrics>,
+    stats: Arc<Stats>,
+    capture: Option<Arc<Capture>>,
+    lifecycle: Arc<Lifecycle>,
+}
+
+/// What the listeners and the admin endpoints read of the config now serving.
+#[derive(Clone)]
+struct Live {
+    app: Arc<HttpProxy<Headroom>>,
+    fleet: Arc<Fleet>,
+    admission: Option<Arc<Admission>>,
+    kv_index: Option<Arc<Mutex<KvIndex>>>,
+}
+
+/// Everything one config builds: the application and the replicas' state, with the background
+/// loops that keep that state (health probes, metric scrapes, KV event subscribers).
+struct Generation {
+    cfg: Arc<ServeConfig>,
+    live: Live,
+    /// Set when a newer config replaces this one: its keep-alive connections then close.
+    retired: Arc<std::sync::atomic::AtomicBool>,
+    stop: watch::Sender<bool>,
+    tasks: Vec<JoinHandle<()>>,
 }
 
 /// The routing policy named in the config, and the exact prefix index the `kv_events` policy
@@ -204,62 +283,14 @@ pub fn inspect_config(cfg: &ServeConfig) -> Result<InspectConfig, ServeError> {
 /// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
 pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let cfg = Arc::new(cfg);
-    let mut fleet = Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
-    fleet.count_foreign = cfg.routing.foreign_load;
-    let fleet = Arc::new(fleet);
-    let (policy, kv_index) = build_policy(&cfg);
     let metrics = Arc::new(Metrics::new());
-    let stats = Arc::new(Stats::default());
-    let capture = Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new);
-    let a = &cfg.admission;
-    let admission = a.enabled.then(|| {
-        Admission::new(
-            cfg.backends.len(),
-            a.max_in_flight,
-            CapParams {
-                beta: a.beta,
-                soft_beta: a.soft_beta,
-                alpha: a.alpha,
-                kv_high: a.kv_high,
-                cooldown: a.cooldown_scrapes,
-                min_cap: a.min_cap,
-                max_cap: a.max_cap,
-            },
-            Duration::from_millis(a.lifo_after_ms),
-        )
-    });
-    let http = reqwest::Client::builder()
-        .pool_idle_timeout(Duration::from_secs(30))
-        .build()
-        .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
-    let lifecycle = Lifecycle::new(metrics.open_requests.clone());
-    let headroom = Headroom {
-        lifecycle: lifecycle.clone(),
-        retry_budget: crate::retry_budget::RetryBudget::new(
-            cfg.limits.retry_budget_ratio,
-            cfg.limits.retry_budget_min,
-        ),
-        fleet: fleet.clone(),
-        policy: policy.clone(),
-        passthrough: LeastLoad,
-        metrics: metrics.clone(),
-        connector: Connector::new(None),
-        cfg: cfg.clone(),
-        inspect: inspect_config(&cfg)?,
-        http: http.clone(),
-        stats: stats.clone(),
-        capture: capture.clone(),
-        admission: admission.clone(),
-        pools: crate::app::PoolPlan::all(&cfg),
-        keys: crate::auth::Keys::from_config(&cfg.security)
-            .map_err(|e| ServeError::Config(e.to_string()))?
-            .map(Arc::new),
-        headers: crate::forward::HeaderRules {
-            strip_authorization: !cfg.security.api_keys.is_empty(),
-            trust_forwarded: cfg.security.trust_forwarded_headers,
-            class_header: cfg.measure.class_header.to_ascii_lowercase(),
-        },
+    let shared = Shared {
+        stats: Arc::new(Stats::default()),
+        capture: Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new),
+        lifecycle: Lifecycle::new(metrics.open_requests.clone()),
+        metrics,
     };
+    let generation = Generation::start(cfg.clone(), &shared)?;
 
     let bind = |addr: String| async move {
         tokio::net::TcpListener::bind(&addr)
@@ -277,57 +308,29 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let addr = local(&listener, &cfg.listen)?;
     let admin_addr = local(&admin_listener, &cfg.admin_listen)?;
 
+    let (live, live_rx) = watch::channel(generation.live.clone());
     let (stop, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
-
-    let app = Arc::new(pingora::proxy::http_proxy(
-        &Arc::new(ServerConf::default()),
-        headroom,
-    ));
     let first_header = FirstHeader {
         budget: Duration::from_millis(cfg.timeouts.header_read_ms),
         max_bytes: cfg.limits.max_header_bytes as usize + 8192,
-        closed: metrics.slow_headers_closed.clone(),
+        closed: shared.metrics.slow_headers_closed.clone(),
     };
     // Listening stops on its own signal: a draining proxy still runs everything else.
     let (accept_stop, accept_rx) = watch::channel(false);
     tasks.push(tokio::spawn(accept_loop(
         listener,
-        app,
+        live_rx.clone(),
         first_header,
         accept_rx,
     )));
-
-    if let Some(index) = &kv_index {
-        for (id, b) in cfg.backends.iter().enumerate() {
-            let Some(endpoint) = &b.kv_events else {
-                continue;
-            };
-            let src = EventSource {
-                id,
-                name: b.display_name(),
-                endpoint: endpoint.clone(),
-                replay: b.kv_events_replay.clone(),
-                topic: cfg.kv_events.topic.clone(),
-                replay_timeout: Duration::from_millis(cfg.kv_events.replay_timeout_ms),
-            };
-            tasks.push(tokio::spawn(subscribe_loop(
-                src,
-                index.clone(),
-                metrics.clone(),
-                stop_rx.clone(),
-            )));
-        }
-    }
     let admin = admin_router(
-        lifecycle.clone(),
-        fleet.clone(),
-        metrics.clone(),
-        stats.clone(),
-        admission.clone(),
-        kv_index.clone(),
+        shared.lifecycle.clone(),
+        shared.metrics.clone(),
+        shared.stats.clone(),
+        live_rx,
     );
-    let mut admin_stop = stop_rx.clone();
+    let mut admin_stop = stop_rx;
     tasks.push(tokio::spawn(async move {
         let _ = axum::serve(admin_listener, admin)
             .with_graceful_shutdown(async move {
@@ -336,77 +339,187 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
             .await;
     }));
 
-    tasks.push(tokio::spawn(probe_loop(
-        fleet.clone(),
-        cfg.health.clone(),
-        http.clone(),
-        stop_rx.clone(),
-    )));
-    let block_tokens = u64::from(cfg.routing.block_tokens);
-    let sized_by_config = cfg.routing.index_blocks.is_some();
-    let scrape_metrics = metrics.clone();
-    let scrape_admission = admission.clone();
-    let (plan_context, plan_headroom) = (
-        f64::from(cfg.admission.context_tokens),
-        cfg.admission.headroom,
-    );
-    let on_scrape: OnScrape = Arc::new(move |b, g| {
-        scrape_metrics.engine_scraped(b, g);
-        if !sized_by_config {
-            if let Some(tokens) = g.kv_capacity_tokens() {
-                policy.set_capacity(b.id, (tokens / block_tokens) as usize);
-            }
-        }
-        if let Some(adm) = &scrape_admission {
-            if let Some(tokens) = g.kv_capacity_tokens() {
-                // The capacity note's cap: headroom · KV tokens / context.
-                adm.initialize(
-                    b.id,
-                    (plan_headroom * tokens as f64 / plan_context).floor() as u32,
-                );
-            }
-            let change = adm.on_feedback(
-                b.id,
-                Feedback {
-                    preemptions_total: g.preemptions_total,
-                    kv_usage: g.kv_usage,
-                    waiting: g.waiting,
-                },
-            );
-            let direction = match change {
-                Change::Raised => "raised",
-                Change::Cut => "cut",
-                Change::Held => "",
-            };
-            if !direction.is_empty() {
-                scrape_metrics
-                    .cap_changes
-                    .with_label_values(&[&b.name, direction])
-                    .inc();
-            }
-        }
-    });
-    tasks.push(tokio::spawn(scrape_loop(
-        fleet.clone(),
-        cfg.scrape.clone(),
-        http,
-        on_scrape,
-        stop_rx,
-    )));
-
     Ok(ServeHandle {
         addr,
         admin_addr,
-        fleet,
-        metrics,
-        stats,
-        capture,
-        admission,
-        lifecycle,
+        metrics: shared.metrics.clone(),
+        stats: shared.stats.clone(),
+        capture: shared.capture.clone(),
+        lifecycle: shared.lifecycle.clone(),
+        shared,
+        live,
+        generation,
         accept_stop,
         stop,
         tasks,
     })
+}
+
+impl Generation {
+    /// Builds everything `cfg` describes and starts its background loops.
+    fn start(cfg: Arc<ServeConfig>, shared: &Shared) -> Result<Self, ServeError> {
+        let mut fleet =
+            Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
+        fleet.count_foreign = cfg.routing.foreign_load;
+        let fleet = Arc::new(fleet);
+        let (policy, kv_index) = build_policy(&cfg);
+        let metrics = &shared.metrics;
+        let a = &cfg.admission;
+        let admission = a.enabled.then(|| {
+            Admission::new(
+                cfg.backends.len(),
+                a.max_in_flight,
+                CapParams {
+                    beta: a.beta,
+                    soft_beta: a.soft_beta,
+                    alpha: a.alpha,
+                    kv_high: a.kv_high,
+                    cooldown: a.cooldown_scrapes,
+                    min_cap: a.min_cap,
+                    max_cap: a.max_cap,
+                },
+                Duration::from_millis(a.lifo_after_ms),
+            )
+        });
+        let http = reqwest::Client::builder()
+            .pool_idle_timeout(Duration::from_secs(30))
+            .build()
+            .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
+        let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let headroom = Headroom {
+            lifecycle: shared.lifecycle.clone(),
+            retired: retired.clone(),
+            retry_budget: crate::retry_budget::RetryBudget::new(
+                cfg.limits.retry_budget_ratio,
+                cfg.limits.retry_budget_min,
+            ),
+            fleet: fleet.clone(),
+            policy: policy.clone(),
+            passthrough: LeastLoad,
+            metrics: metrics.clone(),
+            connector: Connector::new(None),
+            cfg: cfg.clone(),
+            inspect: inspect_config(&cfg)?,
+            http: http.clone(),
+            stats: shared.stats.clone(),
+            capture: shared.capture.clone(),
+            admission: admission.clone(),
+            pools: crate::app::PoolPlan::all(&cfg),
+            keys: crate::auth::Keys::from_config(&cfg.security)
+                .map_err(|e| ServeError::Config(e.to_string()))?
+                .map(Arc::new),
+            headers: crate::forward::HeaderRules {
+                strip_authorization: !cfg.security.api_keys.is_empty(),
+                trust_forwarded: cfg.security.trust_forwarded_headers,
+                class_header: cfg.measure.class_header.to_ascii_lowercase(),
+            },
+        };
+        let app = Arc::new(pingora::proxy::http_proxy(
+            &Arc::new(ServerConf::default()),
+            headroom,
+        ));
+
+        let (stop, stop_rx) = watch::channel(false);
+        let mut tasks = Vec::new();
+        if let Some(index) = &kv_index {
+            for (id, b) in cfg.backends.iter().enumerate() {
+                let Some(endpoint) = &b.kv_events else {
+                    continue;
+                };
+                let src = EventSource {
+                    id,
+                    name: b.display_name(),
+                    endpoint: endpoint.clone(),
+                    replay: b.kv_events_replay.clone(),
+                    topic: cfg.kv_events.topic.clone(),
+                    replay_timeout: Duration::from_millis(cfg.kv_events.replay_timeout_ms),
+                };
+                tasks.push(tokio::spawn(subscribe_loop(
+                    src,
+                    index.clone(),
+                    metrics.clone(),
+                    stop_rx.clone(),
+                )));
+            }
+        }
+        tasks.push(tokio::spawn(probe_loop(
+            fleet.clone(),
+            cfg.health.clone(),
+            http.clone(),
+            stop_rx.clone(),
+        )));
+        let block_tokens = u64::from(cfg.routing.block_tokens);
+        let sized_by_config = cfg.routing.index_blocks.is_some();
+        let scrape_metrics = metrics.clone();
+        let scrape_admission = admission.clone();
+        let (plan_context, plan_headroom) = (
+            f64::from(cfg.admission.context_tokens),
+            cfg.admission.headroom,
+        );
+        let on_scrape: OnScrape = Arc::new(move |b, g| {
+            scrape_metrics.engine_scraped(b, g);
+            if !sized_by_config {
+                if let Some(tokens) = g.kv_capacity_tokens() {
+                    policy.set_capacity(b.id, (tokens / block_tokens) as usize);
+                }
+            }
+            if let Some(adm) = &scrape_admission {
+                if let Some(tokens) = g.kv_capacity_tokens() {
+                    // The capacity note's cap: headroom · KV tokens / context.
+                    adm.initialize(
+                        b.id,
+                        (plan_headroom * tokens as f64 / plan_context).floor() as u32,
+                    );
+                }
+                let change = adm.on_feedback(
+                    b.id,
+                    Feedback {
+                        preemptions_total: g.preemptions_total,
+                        kv_usage: g.kv_usage,
+                        waiting: g.waiting,
+                    },
+                );
+                let direction = match change {
+                    Change::Raised => "raised",
+                    Change::Cut => "cut",
+                    Change::Held => "",
+                };
+                if !direction.is_empty() {
+                    scrape_metrics
+                        .cap_changes
+                        .with_label_values(&[&b.name, direction])
+                        .inc();
+                }
+            }
+        });
+        tasks.push(tokio::spawn(scrape_loop(
+            fleet.clone(),
+            cfg.scrape.clone(),
+            http,
+            on_scrape,
+            stop_rx,
+        )));
+        Ok(Self {
+            cfg,
+            live: Live {
+                app,
+                fleet,
+                admission,
+                kv_index,
+            },
+            retired,
+            stop,
+            tasks,
+        })
+    }
+
+    /// Replaced by a newer config: its keep-alive connections close after their current
+    /// response, and its background loops stop (requests in progress finish on it).
+    fn retire(self) {
+        self.retired
+            .store(true, std::sync::atomic::Ordering::Release);
+        let _ = self.stop.send(true);
+    }
 }
 
 /// How long a new connection may take to deliver its first request header.
@@ -457,9 +570,9 @@ impl FirstHeader {
     }
 }
 
-async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
+async fn accept_loop(
     listener: tokio::net::TcpListener,
-    app: Arc<A>,
+    live: watch::Receiver<Live>,
     first_header: FirstHeader,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -478,7 +591,9 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
             _ = stop.changed() => return,
         };
         let _ = tcp.set_nodelay(true);
-        let (app, shutdown, first_header) = (app.clone(), stop.clone(), first_header.clone());
+        // The config now serving takes the connection (after a reload, the new one).
+        let app = live.borrow().app.clone();
+        let (shutdown, first_header) = (stop.clone(), first_header.clone());
         tokio::spawn(async move {
             if !first_header.arrives(&tcp).await {
                 return;
@@ -498,27 +613,23 @@ async fn accept_loop<A: ServerApp + Send + Sync + 'static>(
 
 fn admin_router(
     lifecycle: Arc<Lifecycle>,
-    fleet: Arc<Fleet>,
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
-    admission: Option<Arc<Admission>>,
-    kv_index: Option<Arc<Mutex<KvIndex>>>,
+    live: watch::Receiver<Live>,
 ) -> Router {
-    let ready_fleet = fleet.clone();
-    let (stats_fleet, stats_metrics) = (fleet.clone(), metrics.clone());
-    let (stats_admission, metrics_admission) = (admission.clone(), admission);
-    let (stats_kv, metrics_kv) = (kv_index.clone(), kv_index);
+    let (ready_live, metrics_live) = (live.clone(), live.clone());
+    let stats_metrics = metrics.clone();
     Router::new()
         .route(
             "/stats",
             get(move || {
-                let (fleet, metrics, stats, admission, kv) = (
-                    stats_fleet.clone(),
-                    stats_metrics.clone(),
-                    stats.clone(),
-                    stats_admission.clone(),
-                    stats_kv.clone(),
-                );
+                let (metrics, stats) = (stats_metrics.clone(), stats.clone());
+                let Live {
+                    fleet,
+                    admission,
+                    kv_index: kv,
+                    ..
+                } = live.borrow().clone();
                 async move {
                     let mut backends = metrics.backend_stats(&fleet);
                     let mut queued = serde_json::Value::Null;
@@ -559,12 +670,13 @@ fn admin_router(
         .route(
             "/metrics",
             get(move || {
-                let (fleet, metrics, admission, kv) = (
-                    fleet.clone(),
-                    metrics.clone(),
-                    metrics_admission.clone(),
-                    metrics_kv.clone(),
-                );
+                let metrics = metrics.clone();
+                let Live {
+                    fleet,
+                    admission,
+                    kv_index: kv,
+                    ..
+                } = metrics_live.borrow().clone();
                 async move {
                     metrics.refresh(&fleet);
                     if let Some(kv) = &kv {
@@ -587,7 +699,7 @@ fn admin_router(
         .route(
             "/readyz",
             get(move || {
-                let (fleet, lifecycle) = (ready_fleet.clone(), lifecycle.clone());
+                let (fleet, lifecycle) = (ready_live.borrow().fleet.clone(), lifecycle.clone());
                 async move {
                     if lifecycle.draining() {
                         (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()

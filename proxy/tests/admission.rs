@@ -77,7 +77,7 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     let r = sim().await;
     let p = proxy(r.url()).await;
     let addr = p.addr;
-    let admission = p.admission.clone().unwrap();
+    let admission = p.admission().unwrap();
     // One long request holds the only slot (~300 ms).
     let holder = tokio::spawn(send(addr, "default", 60));
     while admission.slots()[0].1 == 0 {
@@ -118,7 +118,7 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     // a permit when it has finished the request (after the client read the last byte), so rest
     // is waited for, within a bound.
     let t0 = std::time::Instant::now();
-    while (admission.slots()[0].1 != 0 || p.fleet.backends[0].load().in_flight != 0)
+    while (admission.slots()[0].1 != 0 || p.fleet().backends[0].load().in_flight != 0)
         && t0.elapsed() < Duration::from_secs(5)
     {
         tokio::task::yield_now().await;
@@ -133,7 +133,7 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     ] {
         assert!(metrics.contains(line), "{line}\n{metrics}");
     }
-    assert_eq!(p.fleet.backends[0].load().in_flight, 0);
+    assert_eq!(p.fleet().backends[0].load().in_flight, 0);
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }
@@ -160,7 +160,7 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     let p = headroom_proxy::start(cfg.validated().unwrap())
         .await
         .unwrap();
-    let admission = p.admission.clone().unwrap();
+    let admission = p.admission().unwrap();
     // ⌊0.9 · 16,000 KV tokens / 1,000⌋ = 14, once the first scrape has read cache_config_info.
     // The scrape runs on its own timer; this polls for its effect (no event to wait on).
     for _ in 0..400 {
@@ -272,7 +272,7 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
         .unwrap();
     assert_eq!(backend_of(offline), "b");
     // Two batch requests at once: the second borrows the idle interactive replica.
-    let admission = p.admission.clone().unwrap();
+    let admission = p.admission().unwrap();
     let (x, y) = tokio::join!(ask(Some("batch"), 5, 40), async {
         // Once the first holds b's only slot.
         while admission.slots()[1].1 == 0 {

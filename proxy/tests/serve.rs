@@ -111,7 +111,7 @@ async fn streams_relay_every_event_and_measure() {
         "{metrics}"
     );
     assert!(metrics.contains("route=\"chat\""), "{metrics}");
-    let l = p.fleet.backends[0].load();
+    let l = p.fleet().backends[0].load();
     assert_eq!(
         (l.in_flight, l.pending_prefill_tokens, l.decoding),
         (0, 0, 0)
@@ -192,7 +192,7 @@ async fn client_disconnect_cancels_the_upstream_request() {
         async move { engine(&url).await.running == Some(0.0) }
     })
     .await;
-    let fleet = p.fleet.clone();
+    let fleet = p.fleet();
     eventually("the proxy's in-flight count to return to 0", || {
         let fleet = fleet.clone();
         async move { fleet.backends[0].load().in_flight == 0 }
@@ -227,13 +227,13 @@ async fn a_dead_or_failing_replica_is_avoided() {
         assert_eq!(resp.status(), 200, "request {i}");
         assert_eq!(
             resp.headers()["x-headroom-backend"].to_str().unwrap(),
-            p.fleet.backends[1].name
+            p.fleet().backends[1].name
         );
         resp.bytes().await.unwrap();
     }
-    assert!(p.fleet.is_ejected(&p.fleet.backends[0]));
+    assert!(p.fleet().is_ejected(&p.fleet().backends[0]));
     assert_eq!(
-        p.fleet.backends[0]
+        p.fleet().backends[0]
             .ejections
             .load(std::sync::atomic::Ordering::Relaxed),
         1
@@ -248,7 +248,7 @@ async fn a_dead_or_failing_replica_is_avoided() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 400);
-    assert!(!p.fleet.is_ejected(&p.fleet.backends[1]));
+    assert!(!p.fleet().is_ejected(&p.fleet().backends[1]));
     p.shutdown().await;
     live.shutdown().await.unwrap();
 }
@@ -348,7 +348,7 @@ async fn unknown_routes_large_bodies_limits_and_models() {
     })
     .await;
     let base = format!("http://{}", p.addr);
-    let fleet = p.fleet.clone();
+    let fleet = p.fleet();
     eventually("the replicas' model lists", || {
         let fleet = fleet.clone();
         async move { fleet.backends.iter().all(|b| b.serves("alpha").is_some()) }

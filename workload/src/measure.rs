@@ -179,6 +179,8 @@ pub struct ResponseMeter {
     strip_usage: bool,
     /// Bytes of an unfinished event held back while usage events are being cut out.
     held: BytesMut,
+    /// The last event that ended was passed on (not cut out).
+    last_kept: bool,
     tail: VecDeque<Bytes>,
     tail_len: usize,
     first_byte: Option<Instant>,
@@ -244,6 +246,7 @@ impl ResponseMeter {
             sse: is_sse.then(SseParser::new),
             strip_usage: strip_usage && is_sse,
             held: BytesMut::new(),
+            last_kept: true,
             tail: VecDeque::new(),
             tail_len: 0,
             first_byte: None,
@@ -311,8 +314,18 @@ impl ResponseMeter {
         let mut held = std::mem::take(&mut self.held);
         let mut run: Option<usize> = None;
         let mut start = 0;
+        // The last chunk ended an event with `\r` and this one starts with the `\n` of that
+        // `\r\n`: the byte belongs to that event, kept or cut with it.
+        if held.is_empty() && parser.pending_cr() && chunk.first() == Some(&b'\n') {
+            if self.last_kept {
+                pieces.push(chunk.slice(0..1));
+            }
+            start = 1;
+        }
+        let mut last_kept = self.last_kept;
         parser.feed_with_ends(&chunk, |end, ev| {
             let keep = ev.is_none_or(|e| !self.on_event(&e.data).usage_only);
+            last_kept = keep;
             if start == 0 && !held.is_empty() {
                 let h = std::mem::take(&mut held);
                 if keep {
@@ -334,6 +347,7 @@ impl ResponseMeter {
         }
         held.extend_from_slice(&chunk[start..]);
         self.held = held;
+        self.last_kept = last_kept;
         match pieces.len() {
             0 => None,
             1 => pieces.pop(),
@@ -554,6 +568,28 @@ mod tests {
                 assert_eq!(t.output_events, 3);
                 assert!(t.done && !t.error_event);
                 assert_eq!(t.finish_reason.as_deref(), Some("length"));
+            }
+        }
+    }
+
+    #[test]
+    fn a_crlf_split_across_chunks_stays_with_its_event() {
+        // CRLF framing (not vLLM's, but other engines'), the usage chunk between two kept
+        // events; cut at every point, including between the `\r` and `\n` that end an event
+        // (found by the `sse` fuzz target: that `\n` went with the next event, cut or kept).
+        let kept = b"data: {\"choices\":[{\"text\":\"a\"}]}\r\n\r\n";
+        let usage = b"data: {\"choices\":[],\"usage\":{\"prompt_tokens\":1,\"completion_tokens\":1}}\r\n\r\n";
+        let last = b"data: [DONE]\r\n\r\n";
+        let with: Vec<u8> = [&kept[..], usage, last].concat();
+        let without: Vec<u8> = [&kept[..], last].concat();
+        for i in 0..=with.len() {
+            for j in i..=with.len() {
+                let (out, _) = relay(&with, &[i, j], true);
+                assert_eq!(
+                    String::from_utf8_lossy(&out),
+                    String::from_utf8_lossy(&without),
+                    "split at {i},{j}"
+                );
             }
         }
     }

@@ -115,6 +115,12 @@ impl SseParser {
         out
     }
 
+    /// The last chunk ended in `\r`: a `\n` starting the next one completes that line end (and
+    /// is skipped by the parser).
+    pub fn pending_cr(&self) -> bool {
+        self.after_cr
+    }
+
     /// Bytes held while waiting for a line end (bounded by the longest line, not the stream).
     pub fn buffered(&self) -> usize {
         self.line.len() + self.pending.data.len()
