@@ -69,6 +69,19 @@ pub struct ServeConfig {
     /// What a terminating proxy does (SIGTERM).
     #[serde(default)]
     pub shutdown: ShutdownConfig,
+    /// Logging.
+    #[serde(default)]
+    pub log: LogConfig,
+}
+
+/// Logging (the format, text or JSON, is the `--log-format` flag, since it applies from the
+/// first line).
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct LogConfig {
+    /// One line per request (target `headroom::access`): request id, route, status, backend,
+    /// pool, class, key name and duration. Never prompt text.
+    pub access: bool,
 }
 
 /// Draining at SIGTERM: announce, keep serving, then let open requests finish.
@@ -658,6 +671,7 @@ impl ServeConfig {
             kv_events: KvEventsConfig::default(),
             security: SecurityConfig::default(),
             shutdown: ShutdownConfig::default(),
+            log: LogConfig::default(),
         }
     }
 
@@ -1303,6 +1317,7 @@ mod tests {
         assert_eq!(c.kv_events, KvEventsConfig::default());
         assert_eq!(c.security, SecurityConfig::default());
         assert_eq!(c.shutdown, ShutdownConfig::default());
+        assert_eq!(c.log, LogConfig::default());
         assert_eq!(
             c.capture,
             CaptureConfig {

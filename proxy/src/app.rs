@@ -671,5 +671,22 @@ impl ProxyHttp for Headroom {
         if matches!(ctx.route, "chat" | "completions") {
             self.finish_record(ctx);
         }
+        if self.cfg.log.access {
+            let key = ctx
+                .key
+                .zip(self.keys.as_ref())
+                .map(|(i, keys)| keys.get(i).name.as_str());
+            tracing::info!(
+                target: "headroom::access",
+                request_id = %ctx.request_id,
+                route = ctx.route,
+                status = ctx.status,
+                backend = ctx.backend.as_deref().unwrap_or("none"),
+                pool = %ctx.pool,
+                class = %ctx.class,
+                key = key.unwrap_or("-"),
+                ms = ctx.start.elapsed().as_secs_f64() * 1e3,
+            );
+        }
     }
 }
