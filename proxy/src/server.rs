@@ -184,6 +184,7 @@ struct Shared {
 #[derive(Clone)]
 struct Live {
     app: Arc<HttpProxy<Headroom>>,
+    policy: Arc<dyn RoutingPolicy>,
     fleet: Arc<Fleet>,
     admission: Option<Arc<Admission>>,
     kv_index: Option<Arc<Mutex<KvIndex>>>,
@@ -363,6 +364,7 @@ impl Generation {
         fleet.count_foreign = cfg.routing.foreign_load;
         let fleet = Arc::new(fleet);
         let (policy, kv_index) = build_policy(&cfg);
+        let index_policy = policy.clone();
         let metrics = &shared.metrics;
         let a = &cfg.admission;
         let admission = a.enabled.then(|| {
@@ -503,6 +505,7 @@ impl Generation {
             cfg,
             live: Live {
                 app,
+                policy: index_policy,
                 fleet,
                 admission,
                 kv_index,
@@ -675,10 +678,12 @@ fn admin_router(
                     fleet,
                     admission,
                     kv_index: kv,
+                    policy,
                     ..
                 } = metrics_live.borrow().clone();
                 async move {
                     metrics.refresh(&fleet);
+                    metrics.refresh_index(&fleet, policy.as_ref());
                     if let Some(kv) = &kv {
                         metrics.refresh_kv_events(
                             &fleet,

@@ -163,6 +163,14 @@ async fn prefix_affinity_keeps_a_shared_prompt_on_one_replica() {
         queries += g.prefix_queries_total.unwrap();
     }
     assert!(hits / queries > 0.7, "hit rate {}", hits / queries);
+    // The index the proxy routed by is visible, replica by replica.
+    let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+    let indexed: f64 = m
+        .lines()
+        .filter(|l| l.starts_with("headroom_prefix_index_blocks{"))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum();
+    assert!(indexed > 0.0, "{m}");
     p.shutdown().await;
     for r in replicas {
         r.shutdown().await.unwrap();

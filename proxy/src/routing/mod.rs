@@ -120,6 +120,11 @@ pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
     /// Told how many prefix blocks a replica can hold (from its KV capacity), so history-based
     /// policies forget what the replica must have evicted.
     fn set_capacity(&self, _backend: BackendId, _blocks: usize) {}
+
+    /// Blocks the policy's prefix index holds for a replica (history-based policies).
+    fn index_blocks(&self, _backend: BackendId) -> Option<usize> {
+        None
+    }
 }
 
 /// The healthy replicas, or why there are none.

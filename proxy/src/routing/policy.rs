@@ -224,6 +224,10 @@ impl RoutingPolicy for PrefixAffinity {
     fn set_capacity(&self, backend: BackendId, blocks: usize) {
         self.with_index(|ix| ix.set_capacity(backend, blocks));
     }
+
+    fn index_blocks(&self, backend: BackendId) -> Option<usize> {
+        Some(self.with_index(|ix| ix.len(backend)))
+    }
 }
 
 /// Prefix affinity fed by the engines' KV events: the same cost as [`PrefixAffinity`], with each
@@ -295,6 +299,10 @@ impl RoutingPolicy for KvEvents {
 
     fn set_capacity(&self, backend: BackendId, blocks: usize) {
         self.approx.set_capacity(backend, blocks);
+    }
+
+    fn index_blocks(&self, backend: BackendId) -> Option<usize> {
+        self.approx.index_blocks(backend)
     }
 }
 

@@ -147,6 +147,7 @@ struct BackendGauges {
     prefix_queries: FloatCounterVec,
     prefix_hits: FloatCounterVec,
     prefix_hit_ratio: FloatGaugeVec,
+    index_blocks: FloatGaugeVec,
 }
 
 /// Running totals already exported per replica, so counters advance by differences.
@@ -432,6 +433,10 @@ impl Metrics {
                     "headroom_engine_prefix_cache_hits_tokens_total",
                     "Prompt tokens the engine found in its prefix cache.",
                 ),
+                index_blocks: fgauge(
+                    "headroom_prefix_index_blocks",
+                    "Blocks the approximate prefix index holds for a replica (bounded by its KV capacity in blocks).",
+                ),
                 prefix_hit_ratio: fgauge(
                     "headroom_engine_prefix_cache_hit_ratio",
                     "Prefix-cache hits over queries between the last two scrapes.",
@@ -541,6 +546,7 @@ impl Metrics {
             Box::new(b.prefix_queries.clone()),
             Box::new(b.prefix_hits.clone()),
             Box::new(b.prefix_hit_ratio.clone()),
+            Box::new(b.index_blocks.clone()),
             Box::new(m.kv_events.batches.clone()),
             Box::new(m.kv_events.gaps.clone()),
             Box::new(m.kv_events.losses.clone()),
@@ -595,6 +601,18 @@ impl Metrics {
             bg.prefix_hit_ratio.with_label_values(&[name]).set(dh / dq);
         }
         *prev = g.clone();
+    }
+
+    /// Sets each replica's prefix-index size from the policy (history-based policies only).
+    pub fn refresh_index(&self, fleet: &Fleet, policy: &dyn crate::routing::RoutingPolicy) {
+        for b in &fleet.backends {
+            if let Some(n) = policy.index_blocks(b.id) {
+                self.backend
+                    .index_blocks
+                    .with_label_values(&[b.name.as_str()])
+                    .set(n as f64);
+            }
+        }
     }
 
     /// Reads the fleet's per-replica state into the gauges.
