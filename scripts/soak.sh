@@ -10,6 +10,11 @@
 # Capacity: each simulated replica runs at most MAX_SEQS sequences with constant step times
 # (TTFT_MS for a step with prefill, ITL_MS otherwise), so it completes MAX_SEQS / (request time)
 # requests per second; the load is LOAD of that over REPLICAS replicas, Poisson.
+#
+# Memory: the proxy's bounded structures must be full before growth means a leak. The largest is the
+# prefix index, sized by default from each engine's KV capacity (some 29,000 blocks per simulated
+# replica, which this load would take ~40 minutes to fill); INDEX_BLOCKS caps it so it is full within
+# the first minutes (0: the engine-sized default). Its size is sampled beside the RSS.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 DURATION=${DURATION:-1800}
@@ -21,6 +26,7 @@ ITL_MS=${ITL_MS:-25}
 KILL_EVERY=${KILL_EVERY:-120}
 ABORTS_PER_S=${ABORTS_PER_S:-2}
 SEED=${SEED:-1}
+INDEX_BLOCKS=${INDEX_BLOCKS:-2048}
 OUT=${OUT:-results/soak}
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -65,8 +71,13 @@ done
 urls=$(for p in "${ports[@]}"; do printf 'http://127.0.0.1:%s,' "$p"; done)
 urls=${urls%,}
 
-$bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" \
-  >"$OUT/serve.url" 2>"$OUT/serve.log" &
+{
+  echo 'listen = "127.0.0.1:0"'
+  echo 'admin_listen = "127.0.0.1:0"'
+  for p in "${ports[@]}"; do printf '[[backends]]\nurl = "http://127.0.0.1:%s"\n' "$p"; done
+  if [ "$INDEX_BLOCKS" -gt 0 ]; then printf '[routing]\nindex_blocks = %s\n' "$INDEX_BLOCKS"; fi
+} >"$OUT/headroom.toml"
+$bin serve --config "$OUT/headroom.toml" >"$OUT/serve.url" 2>"$OUT/serve.log" &
 serve=$!
 pids+=($!)
 wait_line "$OUT/serve.log" "admin http"
@@ -76,9 +87,10 @@ admin=$(grep -o 'admin http://[0-9.:]*' "$OUT/serve.log" | cut -d' ' -f2)
 start=$(date +%s)
 # The proxy's resident memory every 10 s.
 (
-  echo "elapsed_s,rss_kb"
+  echo "elapsed_s,rss_kb,index_blocks"
   while kill -0 "$serve" 2>/dev/null; do
-    echo "$(($(date +%s) - start)),$(awk '/VmRSS/ {print $2}' "/proc/$serve/status")"
+    index=$(curl -sf "$admin/metrics" | awk '/^headroom_prefix_index_blocks\{/ {s += $2} END {print s + 0}')
+    echo "$(($(date +%s) - start)),$(awk '/VmRSS/ {print $2}' "/proc/$serve/status"),$index"
     sleep 10
   done
 ) >"$OUT/rss.csv" &
@@ -137,14 +149,16 @@ def p99(window):
     return xs[int(0.99 * (len(xs) - 1))] if xs else float("nan")
 first = [r for r in ok if float(r["scheduled_ms"]) < 300_000]
 last = [r for r in ok if float(r["scheduled_ms"]) >= (duration - 300) * 1000]
-rss = [(float(r["elapsed_s"]), float(r["rss_kb"])) for r in csv.DictReader(open(f"{out}/rss.csv")) if r["rss_kb"]]
+rss = [(float(r["elapsed_s"]), float(r["rss_kb"]), float(r.get("index_blocks") or 0)) for r in csv.DictReader(open(f"{out}/rss.csv")) if r["rss_kb"]]
 after = [x for x in rss if x[0] >= 600] or rss
 growth = (after[-1][1] - after[0][1]) / 1024 / max((after[-1][0] - after[0][0]) / 600, 1e-9)
+last10 = [x for x in rss if x[0] >= rss[-1][0] - 600]
+growth_last = (last10[-1][1] - last10[0][1]) / 1024 / max((last10[-1][0] - last10[0][0]) / 600, 1e-9)
 gauges = [l for l in open(f"{out}/metrics-at-rest.txt") if l.startswith(("headroom_open_requests ", "headroom_backend_in_flight{", "headroom_admission_in_flight{", "headroom_queue_depth{"))]
 kills = sum(1 for _ in open(f"{out}/kills.log")) if __import__("os").path.exists(f"{out}/kills.log") else 0
-print(f"| requests | answered 200 | answered with an error | no answer | kills | p99 TTFT first 5 min | p99 TTFT last 5 min | change | RSS at 10 min | RSS at end | growth per 10 min | gauges at rest |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print(f"| requests | answered 200 | answered with an error | no answer | kills | p99 TTFT first 5 min | p99 TTFT last 5 min | change | RSS at 10 min | RSS at end | growth per 10 min (from 10 min) | growth, last 10 min | index blocks at 10 min / end | gauges at rest |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 change = (p99(last) / p99(first) - 1) * 100
 nonzero = [g.strip() for g in gauges if not g.strip().endswith(" 0")]
-print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MB | {after[-1][1]/1024:.1f} MB | {growth:+.2f} MB | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
+print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MB | {after[-1][1]/1024:.1f} MB | {growth:+.2f} MB | {growth_last:+.2f} MB | {after[0][2]:.0f} / {after[-1][2]:.0f} | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
 PY
