@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Runs every fuzz target (fuzz/fuzz_targets) for SECONDS each with libFuzzer (cargo-fuzz, nightly
-# toolchain), seeded from fuzz/seeds/TARGET; the growing corpus stays in fuzz/corpus/TARGET
-# (not committed). Each target's last lines go to results/fuzz/TARGET.log; a crash stops the script
+# toolchain), from the hand-written seeds in fuzz/seeds/TARGET and the corpus grown by earlier runs
+# (fuzz/corpus.tar.gz, unpacked into fuzz/corpus/TARGET, which grows and is not committed; after a
+# run, `cargo fuzz cmin` and re-pack it to keep what was learnt). Each target's last lines go to results/fuzz/TARGET.log; a crash stops the script
 # with the input that caused it in fuzz/artifacts/TARGET.
 #
 #   SECONDS_EACH=600 scripts/fuzz.sh                 # the recorded run (docs/reliability.md)
@@ -14,6 +15,10 @@ OUT=${OUT:-results/fuzz}
 command -v cargo-fuzz >/dev/null || { echo "needs cargo-fuzz: cargo install cargo-fuzz --locked" >&2; exit 2; }
 rustup run nightly rustc --version >/dev/null 2>&1 || { echo "needs a nightly toolchain (rustup toolchain install nightly)" >&2; exit 2; }
 mkdir -p "$OUT"
+# The corpus grown by the recorded runs (minimized with `cargo fuzz cmin`) is kept as one archive.
+if [ ! -d fuzz/corpus ] && [ -f fuzz/corpus.tar.gz ]; then
+  tar -xzf fuzz/corpus.tar.gz -C fuzz
+fi
 for t in $TARGETS; do
   mkdir -p "fuzz/corpus/$t"
   echo "== $t: ${SECONDS_EACH}s" >&2
