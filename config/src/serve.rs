@@ -72,6 +72,19 @@ pub struct ServeConfig {
     /// Logging.
     #[serde(default)]
     pub log: LogConfig,
+    /// TLS on the client listener.
+    #[serde(default)]
+    pub tls: TlsConfig,
+}
+
+/// TLS on the client listener (rustls; TLS 1.2 and 1.3, HTTP/1.1). Both files or neither.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[serde(deny_unknown_fields, default)]
+pub struct TlsConfig {
+    /// PEM certificate chain, leaf first.
+    pub cert: Option<String>,
+    /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<String>,
 }
 
 /// Logging (the format, text or JSON, is the `--log-format` flag, since it applies from the
@@ -672,6 +685,7 @@ impl ServeConfig {
             security: SecurityConfig::default(),
             shutdown: ShutdownConfig::default(),
             log: LogConfig::default(),
+            tls: TlsConfig::default(),
         }
     }
 
@@ -877,6 +891,33 @@ impl Validate for ServeConfig {
             }
         }
         self.validate_security(p, e);
+        let tp = field_path(p, "tls");
+        match (&self.tls.cert, &self.tls.key) {
+            (None, None) => {}
+            (Some(c), Some(k)) => {
+                for (field, path) in [("cert", c), ("key", k)] {
+                    check(
+                        e,
+                        std::path::Path::new(path).is_file(),
+                        &tp,
+                        field,
+                        path,
+                        "no such file",
+                    );
+                }
+            }
+            (c, k) => check(
+                e,
+                false,
+                &tp,
+                if c.is_none() { "cert" } else { "key" },
+                "(none)",
+                &format!(
+                    "TLS needs both cert and key (only {} is set)",
+                    if k.is_none() { "cert" } else { "key" }
+                ),
+            ),
+        }
         let k = &self.kv_events;
         let kp = field_path(p, "kv_events");
         check(
@@ -1318,6 +1359,7 @@ mod tests {
         assert_eq!(c.security, SecurityConfig::default());
         assert_eq!(c.shutdown, ShutdownConfig::default());
         assert_eq!(c.log, LogConfig::default());
+        assert_eq!(c.tls, TlsConfig::default());
         assert_eq!(
             c.capture,
             CaptureConfig {

@@ -113,6 +113,8 @@ pub struct HeaderRules {
     pub trust_forwarded: bool,
     /// The class header is the proxy's input, not the engine's.
     pub class_header: String,
+    /// `X-Forwarded-Proto`: `https` on a TLS listener.
+    pub proto: &'static str,
 }
 
 /// Client-supplied headers that claim where the request came from.
@@ -167,7 +169,8 @@ fn upstream_header(
         };
         up.insert_header("x-forwarded-for", xff).map_err(bad)?;
         if !down.headers.contains_key("x-forwarded-proto") || !rules.trust_forwarded {
-            up.insert_header("x-forwarded-proto", "http").map_err(bad)?;
+            up.insert_header("x-forwarded-proto", rules.proto)
+                .map_err(bad)?;
         }
     }
     Ok(up)

@@ -16,6 +16,7 @@ use headroom_workload::inspect::{Chain, InspectConfig, VllmChain};
 use headroom_workload::vllm_hash::{SaltKeys, VllmHasher};
 use pingora::apps::ServerApp;
 use pingora::connectors::http::Connector;
+use pingora::listeners::tls::Acceptor as TlsAcceptor;
 use pingora::proxy::HttpProxy;
 use pingora::server::configuration::ServerConf;
 use tokio::sync::watch;
@@ -292,6 +293,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         metrics,
     };
     let generation = Generation::start(cfg.clone(), &shared)?;
+    let tls = tls_acceptor(&cfg)?;
 
     let bind = |addr: String| async move {
         tokio::net::TcpListener::bind(&addr)
@@ -323,6 +325,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         listener,
         live_rx.clone(),
         first_header,
+        tls,
         accept_rx,
     )));
     let admin = admin_router(
@@ -413,6 +416,11 @@ impl Generation {
             headers: crate::forward::HeaderRules {
                 strip_authorization: !cfg.security.api_keys.is_empty(),
                 trust_forwarded: cfg.security.trust_forwarded_headers,
+                proto: if cfg.tls.cert.is_some() {
+                    "https"
+                } else {
+                    "http"
+                },
                 class_header: cfg.measure.class_header.to_ascii_lowercase(),
             },
         };
@@ -573,10 +581,38 @@ impl FirstHeader {
     }
 }
 
+/// The TLS acceptor of `[tls]`, when configured (rustls: TLS 1.2 and 1.3, HTTP/1.1).
+fn tls_acceptor(cfg: &ServeConfig) -> Result<Option<Arc<TlsAcceptor>>, ServeError> {
+    let (Some(cert), Some(key)) = (&cfg.tls.cert, &cfg.tls.key) else {
+        return Ok(None);
+    };
+    let bad = |why: String| ServeError::Config(format!("tls: {why}"));
+    let (chain, private) = pingora::tls::load_certs_and_key_files(cert, key)
+        .map_err(|e| bad(format!("reading {cert} and {key}: {e}")))?
+        .ok_or_else(|| {
+            bad(format!(
+                "{cert} holds no certificate or {key} no private key"
+            ))
+        })?;
+    pingora::tls::install_default_crypto_provider();
+    let mut server = pingora::tls::ServerConfig::builder_with_protocol_versions(&[
+        &pingora::tls::version::TLS12,
+        &pingora::tls::version::TLS13,
+    ])
+    .with_no_client_auth()
+    .with_single_cert(chain, private)
+    .map_err(|e| bad(format!("{cert} and {key} do not make a certificate: {e}")))?;
+    server.alpn_protocols = vec![b"http/1.1".to_vec()];
+    Ok(Some(Arc::new(TlsAcceptor::from_server_config(Arc::new(
+        server,
+    )))))
+}
+
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     live: watch::Receiver<Live>,
     first_header: FirstHeader,
+    tls: Option<Arc<TlsAcceptor>>,
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
@@ -596,17 +632,36 @@ async fn accept_loop(
         let _ = tcp.set_nodelay(true);
         // The config now serving takes the connection (after a reload, the new one).
         let app = live.borrow().app.clone();
-        let (shutdown, first_header) = (stop.clone(), first_header.clone());
+        let (shutdown, first_header, tls) = (stop.clone(), first_header.clone(), tls.clone());
         tokio::spawn(async move {
-            if !first_header.arrives(&tcp).await {
-                return;
-            }
             use pingora::protocols::{GetSocketDigest, SocketDigest};
             use std::os::fd::AsRawFd;
+            // Plaintext: the first header must be in the socket within the budget (peeked).
+            // TLS: the handshake must finish within it (the header is not readable before).
+            if tls.is_none() && !first_header.arrives(&tcp).await {
+                return;
+            }
             let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);
             // The client's address (X-Forwarded-For) is read from the socket when first asked.
             stream.set_socket_digest(SocketDigest::from_raw_fd(stream.as_raw_fd()));
-            let mut next: Option<pingora::protocols::Stream> = Some(Box::new(stream));
+            let stream: pingora::protocols::Stream = match &tls {
+                None => Box::new(stream),
+                Some(acceptor) => {
+                    let shake = acceptor.tls_handshake(stream);
+                    match tokio::time::timeout(first_header.budget, shake).await {
+                        Ok(Ok(s)) => Box::new(s),
+                        Ok(Err(e)) => {
+                            tracing::debug!("TLS handshake failed: {e}");
+                            return;
+                        }
+                        Err(_) => {
+                            first_header.closed.inc();
+                            return;
+                        }
+                    }
+                }
+            };
+            let mut next: Option<pingora::protocols::Stream> = Some(stream);
             while let Some(s) = next {
                 next = app.process_new(s, &shutdown).await;
             }

@@ -201,3 +201,70 @@ async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
     assert_eq!(got["x-real-ip"], "6.6.6.6");
     assert!(!got.contains_key("x-headroom-class"));
 }
+
+/// The test-only self-signed certificate for `localhost` and 127.0.0.1 (made with `openssl req
+/// -x509 -newkey ec -pkeyopt ec_paramgen_curve:prime256v1 -nodes -days 36500 -subj /CN=localhost
+/// -addext subjectAltName=DNS:localhost,IP:127.0.0.1 -addext basicConstraints=critical,CA:FALSE
+/// -addext keyUsage=critical,digitalSignature -addext extendedKeyUsage=serverAuth`).
+fn fixture(name: &str) -> String {
+    format!("{}/tests/fixtures/tls/{name}", env!("CARGO_MANIFEST_DIR"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_tls_listener_serves_https_and_tells_the_engine() {
+    use pingora::tls::{ClientConfig, RootCertStore, ServerName, TlsConnector};
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    let (url, seen) = engine().await;
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[url], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.scrape.interval_ms = 0;
+    cfg.tls.cert = Some(fixture("localhost.crt"));
+    cfg.tls.key = Some(fixture("localhost.key"));
+    let h = headroom_proxy::start(cfg.clone().validated().unwrap())
+        .await
+        .unwrap();
+
+    pingora::tls::install_default_crypto_provider();
+    let mut roots = RootCertStore::empty();
+    pingora::tls::load_ca_file_into_store(fixture("localhost.crt"), &mut roots).unwrap();
+    let client = ClientConfig::builder()
+        .with_root_certificates(roots)
+        .with_no_client_auth();
+    let tcp = tokio::net::TcpStream::connect(h.addr).await.unwrap();
+    let mut tls = TlsConnector::from(std::sync::Arc::new(client))
+        .connect(ServerName::try_from("localhost").unwrap(), tcp)
+        .await
+        .expect("the certificate verifies");
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1}"#;
+    let req = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: localhost\r\nconnection: close\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    tls.write_all(req.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let _ = tls.read_to_end(&mut got).await;
+    let got = String::from_utf8_lossy(&got);
+    assert!(got.starts_with("HTTP/1.1 200"), "{got}");
+    assert_eq!(seen.last()["x-forwarded-proto"], "https");
+
+    // Plain HTTP on the TLS port gets no answer from an engine.
+    let plain = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", h.addr))
+        .body(body)
+        .send()
+        .await;
+    assert!(plain.is_err() || !plain.unwrap().status().is_success());
+    assert_eq!(seen.requests(), 1);
+
+    // A key file that is not a key: refused at start, with the reason.
+    let mut broken = cfg;
+    broken.tls.key = Some(fixture("localhost.crt"));
+    let e = headroom_proxy::start(broken.validated().unwrap())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("no private key"), "{e}");
+    h.shutdown().await;
+}
