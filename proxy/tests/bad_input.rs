@@ -5,7 +5,6 @@
 
 mod common;
 
-use std::sync::atomic::Ordering;
 use std::time::{Duration, Instant};
 
 use common::recording_engine;
@@ -230,17 +229,7 @@ async fn a_replica_line_without_end_is_capped_and_cut() {
     );
     // The client got the error event, not megabytes of the line, and the engine's stream ended.
     assert!(r.len() < 300_000, "{} bytes relayed", r.len());
-    for _ in 0..200 {
-        if seen.open_streams.load(Ordering::SeqCst) == 0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
-    assert_eq!(
-        seen.open_streams.load(Ordering::SeqCst),
-        0,
-        "upstream still open"
-    );
+    assert!(seen.settled(1).await, "upstream still open");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -253,16 +242,8 @@ async fn a_client_that_stops_reading_is_dropped_and_its_request_cancelled() {
         .await
         .unwrap();
     // Never read: the socket buffers fill, the proxy's write stalls, and the stall is bounded.
-    let mut cancelled = false;
-    for _ in 0..1000 {
-        if seen.requests() == 1 && seen.open_streams.load(Ordering::SeqCst) == 0 {
-            cancelled = true;
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(10)).await;
-    }
     assert!(
-        cancelled,
+        seen.settled(1).await,
         "the engine is still streaming to a client that stopped reading"
     );
     let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;

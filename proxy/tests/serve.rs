@@ -165,11 +165,7 @@ async fn prefix_affinity_keeps_a_shared_prompt_on_one_replica() {
     assert!(hits / queries > 0.7, "hit rate {}", hits / queries);
     // The index the proxy routed by is visible, replica by replica.
     let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
-    let indexed: f64 = m
-        .lines()
-        .filter(|l| l.starts_with("headroom_prefix_index_blocks{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let indexed = common::metric_sum(&m, "headroom_prefix_index_blocks");
     assert!(indexed > 0.0, "{m}");
     p.shutdown().await;
     for r in replicas {
@@ -468,11 +464,7 @@ async fn retries_are_budgeted_when_every_replica_fails() {
         );
     }
     let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
-    let retries: f64 = m
-        .lines()
-        .filter(|l| l.starts_with("headroom_upstream_retries_total{"))
-        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
-        .sum();
+    let retries = common::metric_sum(&m, "headroom_upstream_retries_total");
     let attempts = f64::from(requests) + retries;
     // Envoy's promise: attempts ≤ 1.2 × requests + 3 (without a budget: 3 × requests).
     assert!(

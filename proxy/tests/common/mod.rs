@@ -48,6 +48,16 @@ pub fn metric(exposition: &str, name: &str) -> f64 {
         .unwrap_or(f64::NAN)
 }
 
+/// The sum of every series of the labelled metric `name` (lines `name{…} value`).
+pub fn metric_sum(exposition: &str, name: &str) -> f64 {
+    let prefix = format!("{name}{{");
+    exposition
+        .lines()
+        .filter(|l| l.starts_with(&prefix))
+        .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
+        .sum()
+}
+
 /// The body of `GET url`, as text.
 pub async fn get_text(url: &str) -> String {
     reqwest::get(url)
@@ -116,6 +126,19 @@ pub struct Seen {
 }
 
 impl Seen {
+    /// Waits (at most 10 s) until `n` requests arrived and no response stream is still open;
+    /// whether that happened.
+    pub async fn settled(&self, n: usize) -> bool {
+        for _ in 0..1000 {
+            let open = self.open_streams.load(std::sync::atomic::Ordering::SeqCst);
+            if self.requests() == n && open == 0 {
+                return true;
+            }
+            tokio::time::sleep(std::time::Duration::from_millis(10)).await;
+        }
+        false
+    }
+
     /// Generation requests received.
     pub fn requests(&self) -> usize {
         self.headers.lock().unwrap().len()
