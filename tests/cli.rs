@@ -271,14 +271,23 @@ fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
     let _ = std::fs::remove_dir_all(&dir);
     let capture = dir.join("capture.jsonl");
     let sim = Child::start(&["sim", "--port", "0", "--latency-model", "constant"]);
+    std::fs::create_dir_all(&dir).unwrap();
+    let config = dir.join("headroom.toml");
+    std::fs::write(
+        &config,
+        format!(
+            "listen = \"127.0.0.1:0\"\nadmin_listen = \"127.0.0.1:0\"\n[[backends]]\nurl = \"{}\"\n\
+             [log]\naccess = true\n[shutdown]\ndrain_ms = 100\ngrace_ms = 2000\n",
+            sim.url
+        ),
+    )
+    .unwrap();
     let proxy = Child::start(&[
+        "--log-format",
+        "json",
         "serve",
-        "--backends",
-        &sim.url,
-        "--listen",
-        "127.0.0.1:0",
-        "--admin-listen",
-        "127.0.0.1:0",
+        "--config",
+        config.to_str().unwrap(),
         "--capture",
         capture.to_str().unwrap(),
     ]);
@@ -321,6 +330,20 @@ fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
         assert!(
             !s.contains(CANARY) && !s.contains("qqcanary"),
             "{what}: {s}"
+        );
+    }
+    // One JSON access line per request, with its request id and without its text.
+    let access: Vec<serde_json::Value> = logs
+        .lines()
+        .filter(|l| l.contains("\"headroom::access\""))
+        .map(|l| serde_json::from_str(l).expect("a JSON log line"))
+        .collect();
+    assert_eq!(access.len(), 5, "{logs}");
+    for a in &access {
+        assert!(!a["request_id"].as_str().unwrap().is_empty(), "{a}");
+        assert!(
+            matches!(a["route"].as_str(), Some("chat" | "completions")),
+            "{a}"
         );
     }
     // The capture feeds the reports and the replay unchanged.
