@@ -188,6 +188,11 @@ impl Headroom {
             .unwrap_or(&self.pools[0])
     }
 
+    /// The configured key at `index` (a request's `ctx.key`).
+    fn client_key(&self, index: Option<usize>) -> Option<&crate::auth::ClientKey> {
+        index.zip(self.keys.as_ref()).map(|(i, keys)| keys.get(i))
+    }
+
     /// The class of a request: its API key's, when the key has one; else its header's, when it
     /// names a class; else the first class (by name) listing its model, then its path; else the
     /// class of the longest prompt threshold it reaches; else the default class.
@@ -200,10 +205,7 @@ impl Headroom {
         prompt_tokens: Option<u32>,
     ) -> String {
         let classes = &self.cfg.classes;
-        let key_class = key
-            .zip(self.keys.as_ref())
-            .and_then(|(i, keys)| keys.get(i).class.clone());
-        if let Some(c) = key_class {
+        if let Some(c) = self.client_key(key).and_then(|k| k.class.clone()) {
             return c;
         }
         if let Some(c) = header.filter(|c| classes.contains_key(c)) {
@@ -672,10 +674,7 @@ impl ProxyHttp for Headroom {
             self.finish_record(ctx);
         }
         if self.cfg.log.access {
-            let key = ctx
-                .key
-                .zip(self.keys.as_ref())
-                .map(|(i, keys)| keys.get(i).name.as_str());
+            let key = self.client_key(ctx.key).map(|k| k.name.as_str());
             tracing::info!(
                 target: "headroom::access",
                 request_id = %ctx.request_id,

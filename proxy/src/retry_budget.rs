@@ -47,46 +47,45 @@ impl RetryBudget {
         }
     }
 
-    fn with_bucket<R>(&self, now: Instant, f: impl FnOnce(&mut Bucket, u64, u64) -> R) -> R {
-        let second = now.saturating_duration_since(self.epoch).as_secs();
-        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
-        let (mut requests, mut retries) = (0, 0);
-        for x in b.iter() {
-            if x.second + WINDOW_SECS > second {
-                requests += x.requests;
-                retries += x.retries;
-            }
-        }
-        let slot = &mut b[(second % WINDOW_SECS) as usize];
+    /// The bucket of `second`, emptied first if it last held an older second (which is then out
+    /// of the window).
+    fn current(buckets: &mut [Bucket; WINDOW_SECS as usize], second: u64) -> &mut Bucket {
+        let slot = &mut buckets[(second % WINDOW_SECS) as usize];
         if slot.second != second {
-            // The slot held a second now out of the window.
-            if slot.second + WINDOW_SECS > second {
-                requests -= slot.requests;
-                retries -= slot.retries;
-            }
             *slot = Bucket {
                 second,
                 ..Bucket::default()
             };
         }
-        f(slot, requests, retries)
+        slot
+    }
+
+    fn second(&self, now: Instant) -> u64 {
+        now.saturating_duration_since(self.epoch).as_secs()
     }
 
     /// Counts a client request.
     pub fn on_request(&self, now: Instant) {
-        self.with_bucket(now, |b, _, _| b.requests += 1);
+        let second = self.second(now);
+        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        Self::current(&mut b, second).requests += 1;
     }
 
     /// Takes one retry from the budget; false when it is spent.
     pub fn try_retry(&self, now: Instant) -> bool {
-        let (ratio, min) = (self.ratio, self.min_retries);
-        self.with_bucket(now, |b, requests, retries| {
-            let allowed = (retries + 1) as f64 <= min as f64 + ratio * requests as f64;
-            if allowed {
-                b.retries += 1;
-            }
-            allowed
-        })
+        let second = self.second(now);
+        let mut b = self.buckets.lock().unwrap_or_else(|e| e.into_inner());
+        Self::current(&mut b, second);
+        let (requests, retries) = b
+            .iter()
+            .filter(|x| x.second + WINDOW_SECS > second)
+            .fold((0, 0), |(q, r), x| (q + x.requests, r + x.retries));
+        let allowed =
+            (retries + 1) as f64 <= self.min_retries as f64 + self.ratio * requests as f64;
+        if allowed {
+            Self::current(&mut b, second).retries += 1;
+        }
+        allowed
     }
 }
 

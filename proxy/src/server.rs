@@ -70,7 +70,6 @@ pub struct ServeHandle {
     pub capture: Option<Arc<Capture>>,
     /// Open requests and draining.
     pub lifecycle: Arc<Lifecycle>,
-    shared: Shared,
     live: watch::Sender<Live>,
     generation: Generation,
     accept_stop: watch::Sender<bool>,
@@ -118,7 +117,13 @@ impl ServeHandle {
                 )));
             }
         }
-        let next = Generation::start(Arc::new(cfg), &self.shared)?;
+        let shared = Shared {
+            metrics: self.metrics.clone(),
+            stats: self.stats.clone(),
+            capture: self.capture.clone(),
+            lifecycle: self.lifecycle.clone(),
+        };
+        let next = Generation::start(Arc::new(cfg), &shared)?;
         let _ = self.live.send(next.live.clone());
         let old = std::mem::replace(&mut self.generation, next);
         old.retire();
@@ -172,8 +177,7 @@ impl ServeHandle {
     }
 }
 
-/// What lives across reloads.
-#[derive(Clone)]
+/// What lives across reloads (the handle's public fields).
 struct Shared {
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
@@ -346,11 +350,10 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     Ok(ServeHandle {
         addr,
         admin_addr,
-        metrics: shared.metrics.clone(),
-        stats: shared.stats.clone(),
-        capture: shared.capture.clone(),
-        lifecycle: shared.lifecycle.clone(),
-        shared,
+        metrics: shared.metrics,
+        stats: shared.stats,
+        capture: shared.capture,
+        lifecycle: shared.lifecycle,
         live,
         generation,
         accept_stop,

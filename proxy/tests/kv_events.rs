@@ -321,21 +321,47 @@ impl FakeEngine {
     }
 }
 
+/// Batch `seq`, storing one block of its own, so a complete picture holds next_seq blocks.
+fn batch(seq: u64) -> Bytes {
+    let stored = KvEvent::BlockStored {
+        block_hashes: vec![1000 + seq],
+        parent_block_hash: None,
+        token_ids: vec![0; 16],
+        block_size: 16,
+    };
+    Bytes::from(encode_batch(seq as f64, &[stored], 0, true))
+}
+
+/// Publishes batch `seq` past a gap, checks the proxy asks a replay from `asked_from`, answers it
+/// with the batches `replayed`, waits until the proxy expects `seq + 1`, and returns the replica's
+/// `kv_events` stats then.
+async fn gap_replayed(
+    e: &mut FakeEngine,
+    h: &ServeHandle,
+    seq: u64,
+    asked_from: u64,
+    replayed: &[u64],
+) -> Value {
+    e.publish(seq, batch(seq)).await;
+    let r = e
+        .request(Duration::from_secs(5))
+        .await
+        .expect("a replay request");
+    assert_eq!(r.1, asked_from);
+    let answer: Vec<(u64, Bytes)> = replayed.iter().map(|&s| (s, batch(s))).collect();
+    e.reply(r, &answer).await;
+    wait_for(h, Duration::from_secs(5), |s| {
+        s[0]["next_seq"].as_u64() == Some(seq + 1)
+    })
+    .await;
+    kv_stats(h).await[0].clone()
+}
+
 /// A stand-in engine: the test publishes batches itself (vLLM's positional format) and answers the
 /// proxy's replay requests, to drive the subscriber through a late join with live copies of
 /// replayed batches, a gap the replay fills, and a gap it cannot.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_fill_gaps_and_duplicates_are_not_restarts() {
-    // Each batch stores one block of its own, so a complete picture holds next_seq blocks.
-    fn batch(seq: u64) -> Bytes {
-        let stored = KvEvent::BlockStored {
-            block_hashes: vec![1000 + seq],
-            parent_block_hash: None,
-            token_ids: vec![0; 16],
-            block_size: 16,
-        };
-        Bytes::from(encode_batch(seq as f64, &[stored], 0, true))
-    }
     let batches = |seqs: &[u64]| seqs.iter().map(|&s| (s, batch(s))).collect::<Vec<_>>();
     let ports = Ports::new();
     let mut e = FakeEngine::bind(ports).await;
@@ -380,18 +406,14 @@ async fn replays_fill_gaps_and_duplicates_are_not_restarts() {
     assert_eq!(k["state"], "live", "{k}");
 
     // A gap that the replay fills.
-    e.publish(last + 3, batch(last + 3)).await;
-    let r = e
-        .request(Duration::from_secs(5))
-        .await
-        .expect("a replay request");
-    assert_eq!(r.1, last + 1);
-    e.reply(r, &batches(&[last + 1, last + 2, last + 3])).await;
-    wait_for(&h, Duration::from_secs(5), |s| {
-        s[0]["next_seq"].as_u64() == Some(last + 4)
-    })
+    let k = &gap_replayed(
+        &mut e,
+        &h,
+        last + 3,
+        last + 1,
+        &[last + 1, last + 2, last + 3],
+    )
     .await;
-    let k = &kv_stats(&h).await[0];
     assert_eq!(
         (
             k["blocks"].as_u64(),
@@ -406,18 +428,7 @@ async fn replays_fill_gaps_and_duplicates_are_not_restarts() {
 
     // A gap the replay buffer no longer reaches: the picture restarts from there, partial.
     let far = last + 7;
-    e.publish(far, batch(far)).await;
-    let r = e
-        .request(Duration::from_secs(5))
-        .await
-        .expect("a replay request");
-    assert_eq!(r.1, last + 4);
-    e.reply(r, &batches(&[far])).await;
-    wait_for(&h, Duration::from_secs(5), |s| {
-        s[0]["next_seq"].as_u64() == Some(far + 1)
-    })
-    .await;
-    let k = &kv_stats(&h).await[0];
+    let k = &gap_replayed(&mut e, &h, far, last + 4, &[far]).await;
     assert_eq!(
         (
             k["blocks"].as_u64(),
