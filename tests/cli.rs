@@ -20,6 +20,12 @@ fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
         "12",
         "--rate",
         "40",
+        "--batch-requests",
+        "6",
+        "--batch-rate",
+        "40",
+        "--batch-after",
+        "0.1",
         "--out",
         out_dir.to_str().unwrap(),
     ]);
@@ -29,66 +35,88 @@ fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
         "{stdout}\n{}",
         String::from_utf8_lossy(&out.stderr)
     );
-    assert_eq!(
-        stdout
-            .matches("12 measured, 12 completed, 0 failed")
-            .count(),
-        2,
+    assert!(stdout.contains("TTFT p99"), "{stdout}");
+    assert!(stdout.contains("preemptions"), "{stdout}");
+    assert!(stdout.contains("round-robin, no admission"), "{stdout}");
+    assert!(
+        stdout.contains("headroom (pools, affinity, admission)"),
         "{stdout}"
     );
-    assert!(stdout.contains("TTFT"));
-    assert!(stdout.contains("round-robin, no proxy"), "{stdout}");
-    assert!(stdout.contains("headroom (prefix_affinity)"), "{stdout}");
-    let read = |run: &str| -> serde_json::Value {
-        let path = out_dir.join(run).join("result.json");
+    let read = |run: &str, class: &str| -> serde_json::Value {
+        let path = out_dir.join(run).join(class).join("result.json");
         serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
     };
-    let (direct, proxied) = (read("round_robin"), read("headroom"));
-    for result in [&direct, &proxied] {
-        assert_eq!(result["contract"]["trace"]["requests"], 12);
-        assert_eq!(result["summary"]["completed"], 12);
-        assert_eq!(result["summary"]["lengths"]["prompt_mismatches"], 0);
-        // Both runs read the two replicas' own prefix-cache counters.
+    for (class, n) in [("interactive", 12), ("batch", 6)] {
+        let (direct, proxied) = (read("round_robin", class), read("headroom", class));
+        for result in [&direct, &proxied] {
+            assert_eq!(result["contract"]["trace"]["requests"], n);
+            assert_eq!(result["summary"]["completed"], n, "{class}");
+            assert_eq!(result["summary"]["lengths"]["prompt_mismatches"], 0);
+        }
+        // The plain balancer spreads over the four replicas; the other run goes to the proxy.
         assert_eq!(
-            result["target_observed"]["targets"]
+            direct["contract"]["target"]["urls"]
                 .as_array()
                 .unwrap()
                 .len(),
-            2
+            4
+        );
+        assert_eq!(
+            proxied["contract"]["target"]["urls"]
+                .as_array()
+                .unwrap()
+                .len(),
+            1
+        );
+        // One workload contract: the same trace and the same prompt text in both runs.
+        assert_eq!(
+            direct["contract"]["trace"]["sha256"],
+            proxied["contract"]["trace"]["sha256"]
+        );
+        assert_eq!(
+            direct["contract"]["prompt_salt"],
+            proxied["contract"]["prompt_salt"]
+        );
+        assert!(
+            out_dir
+                .join(format!("round_robin/{class}/report.html"))
+                .exists()
+        );
+        assert!(
+            out_dir
+                .join(format!("headroom/{class}/report.html"))
+                .exists()
         );
     }
-    assert_eq!(
-        direct["contract"]["target"]["urls"]
-            .as_array()
-            .unwrap()
-            .len(),
-        2
-    );
-    assert_eq!(
-        proxied["contract"]["target"]["urls"]
-            .as_array()
-            .unwrap()
-            .len(),
-        1
-    );
-    assert_eq!(
-        direct["contract"]["trace"]["sha256"],
-        proxied["contract"]["trace"]["sha256"]
-    );
-    assert!(out_dir.join("round_robin/report.html").exists());
-    assert!(out_dir.join("headroom/report.html").exists());
-    // The proxy recorded every request it served, and measured them itself.
+    assert!(read("headroom", "interactive")["contract"]["slo"].is_object());
+    let page = std::fs::read_to_string(out_dir.join("report.html")).unwrap();
+    assert!(page.contains("TTFT of the chat turns"));
+    // The proxy recorded every request it served, with its class, and measured them itself.
     let capture = std::fs::read_to_string(out_dir.join("headroom/capture.jsonl")).unwrap();
-    assert_eq!(capture.lines().count(), 12);
+    assert_eq!(capture.lines().count(), 18);
+    assert_eq!(
+        capture.matches(r#""class":"batch""#).count(),
+        6,
+        "{capture}"
+    );
+    let config = std::fs::read_to_string(out_dir.join("headroom/headroom.toml")).unwrap();
+    assert!(config.contains("[[pools]]"), "{config}");
     let stats: serde_json::Value = serde_json::from_str(
         &std::fs::read_to_string(out_dir.join("headroom/stats.json")).unwrap(),
     )
     .unwrap();
-    assert_eq!(stats["windows"]["5m"][0]["requests"], 12);
+    let requests: u64 = stats["windows"]["5m"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| w["requests"].as_u64().unwrap())
+        .sum();
+    assert_eq!(requests, 18);
     assert!(
         stdout.contains("headroom's own passive measurement"),
         "{stdout}"
     );
+    let _ = std::fs::remove_dir_all(&out_dir);
 }
 
 #[test]

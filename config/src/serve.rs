@@ -547,6 +547,9 @@ pub struct AdmissionConfig {
     pub alpha: u32,
     /// KV cache usage that counts as pressure.
     pub kv_high: f64,
+    /// The cap is raised only while the KV usage projected for `alpha` more sequences (of the
+    /// running ones' mean size) stays at or below this.
+    pub kv_raise_below: f64,
     /// Scrapes after a cut before another.
     pub cooldown_scrapes: u32,
     /// Lowest cap.
@@ -569,6 +572,7 @@ impl Default for AdmissionConfig {
             soft_beta: 0.95,
             alpha: 2,
             kv_high: 0.95,
+            kv_raise_below: 0.85,
             cooldown_scrapes: 2,
             min_cap: 1,
             max_cap: 4_096,
@@ -1218,6 +1222,14 @@ impl Validate for ServeConfig {
             &ap,
             "kv_high",
             a.kv_high,
+            "must be in (0, 1]",
+        );
+        check(
+            e,
+            a.kv_raise_below > 0.0 && a.kv_raise_below <= 1.0,
+            &ap,
+            "kv_raise_below",
+            a.kv_raise_below,
             "must be in (0, 1]",
         );
         check(

@@ -326,6 +326,9 @@ pub struct ReplayArgs {
     /// Directory for result.json, requests.csv, summary.txt and report.html (sweeps: sweep.*).
     #[arg(long, default_value = "results/replay")]
     pub out: PathBuf,
+    /// No progress line and no summary on stdout (the result files are written all the same).
+    #[arg(long, short = 'q')]
+    pub quiet: bool,
 }
 
 fn parse_header(s: &str) -> Result<(String, String), String> {
@@ -405,6 +408,12 @@ async fn metrics_text(client: &reqwest::Client, base: &str) -> Option<String> {
 
 /// Runs `headroom replay`; returns the path of the result JSON.
 pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
+    run_replay_counted(a, Arc::default()).await
+}
+
+/// [`run_replay`] counting sends and completions into `counters` as they happen, so a caller
+/// running several replays at once can show one progress line for all of them.
+pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyhow::Result<PathBuf> {
     let mut records = read_trace(&a.trace, None)?;
     let digest = hex(&sha2::Sha256::digest(std::fs::read(&a.trace)?));
     if let Some(n) = a.max_requests {
@@ -550,18 +559,21 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     }
 
     let total = records.len();
-    eprintln!(
-        "headroom replay: {total} requests from {} against {} ({})",
-        a.trace.display(),
-        targets.join(", "),
-        contract["load"]
-    );
-    let counters = Arc::new(Counters::default());
-    let progress = spawn_progress(counters.clone(), total);
+    if !a.quiet {
+        eprintln!(
+            "headroom replay: {total} requests from {} against {} ({})",
+            a.trace.display(),
+            targets.join(", "),
+            contract["load"]
+        );
+    }
+    let progress = (!a.quiet).then(|| spawn_progress(counters.clone(), total));
     let results = replay::run(records.clone(), opts, counters).await;
-    progress.abort();
-    if std::io::stderr().is_terminal() {
-        eprintln!();
+    if let Some(progress) = progress {
+        progress.abort();
+        if std::io::stderr().is_terminal() {
+            eprintln!();
+        }
     }
 
     let summary = report::summarize(&results, slo);
@@ -605,8 +617,10 @@ pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
         }
     }
     std::fs::write(a.out.join("summary.txt"), &text)?;
-    print!("{text}");
-    eprintln!("headroom replay: results in {}", a.out.display());
+    if !a.quiet {
+        print!("{text}");
+        eprintln!("headroom replay: results in {}", a.out.display());
+    }
     if summary.measured > 0 && summary.completed == 0 {
         bail!(
             "no request completed ({} failed): see {}",

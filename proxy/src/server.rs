@@ -382,6 +382,7 @@ impl Generation {
                     soft_beta: a.soft_beta,
                     alpha: a.alpha,
                     kv_high: a.kv_high,
+                    kv_raise_below: a.kv_raise_below,
                     cooldown: a.cooldown_scrapes,
                     min_cap: a.min_cap,
                     max_cap: a.max_cap,
@@ -490,6 +491,7 @@ impl Generation {
                         preemptions_total: g.preemptions_total,
                         kv_usage: g.kv_usage,
                         waiting: g.waiting,
+                        running: g.running,
                     },
                 );
                 let direction = match change {

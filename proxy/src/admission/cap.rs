@@ -10,9 +10,14 @@
 //!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
 //!   preempting, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β·cap⌋)
 //!   warning only, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β_soft·cap⌋)
-//!   ¬pressure ∧ the cap turned work away since the last scrape
+//!   room       = KV usage or running unknown ∨ usage · (running + α) / running ≤ kv_raise_below
+//!   ¬pressure ∧ room ∧ the cap turned work away since the last scrape
 //!                                                     → cap ← min(max_cap, cap + α)
 //! ```
+//!
+//! `room` projects the KV usage of α more sequences of the size the running ones have on average:
+//! the cap never probes into the preemption zone to find it, so a workload the derived cap already
+//! fits runs with no preemption at all.
 //!
 //! | parameter | meaning | default |
 //! |---|---|---|
@@ -20,6 +25,7 @@
 //! | β_soft | cut on an early warning (KV nearly full, engine queue growing) | 0.95 |
 //! | α | additive raise per quiet scrape | 2 |
 //! | kv_high | KV cache usage that counts as pressure | 0.95 |
+//! | kv_raise_below | projected KV usage above which the cap is not raised | 0.85 |
 //! | cooldown | scrapes after a cut before the next cut | 2 |
 //! | min_cap, max_cap | bounds | 1, 4096 |
 
@@ -34,6 +40,8 @@ pub struct CapParams {
     pub alpha: u32,
     /// KV usage that counts as pressure.
     pub kv_high: f64,
+    /// Projected KV usage at cap + α above which the cap is not raised.
+    pub kv_raise_below: f64,
     /// Scrapes after a cut before another.
     pub cooldown: u32,
     /// Lowest cap.
@@ -49,6 +57,7 @@ impl Default for CapParams {
             soft_beta: 0.95,
             alpha: 2,
             kv_high: 0.95,
+            kv_raise_below: 0.85,
             cooldown: 2,
             min_cap: 1,
             max_cap: 4096,
@@ -65,6 +74,8 @@ pub struct Feedback {
     pub kv_usage: Option<f64>,
     /// Sequences waiting in the engine.
     pub waiting: Option<f64>,
+    /// Sequences running in the engine.
+    pub running: Option<f64>,
 }
 
 /// How the cap changed on a scrape.
@@ -155,7 +166,13 @@ impl CapController {
             }
             return Change::Held;
         }
-        if binding && cap < p.max_cap {
+        let room = match (f.kv_usage, f.running) {
+            (Some(usage), Some(running)) if running >= 1.0 => {
+                usage * (running + f64::from(p.alpha)) / running <= p.kv_raise_below
+            }
+            _ => true,
+        };
+        if binding && room && cap < p.max_cap {
             self.cap = Some((cap + p.alpha).min(p.max_cap));
             return Change::Raised;
         }
@@ -172,6 +189,7 @@ mod tests {
             preemptions_total: Some(preemptions),
             kv_usage: Some(0.5),
             waiting: Some(0.0),
+            running: None,
         }
     }
 
@@ -251,5 +269,25 @@ mod tests {
                 "from {start}: mean cap {mean}"
             );
         }
+    }
+
+    /// Sequences that each take 5% of the KV cache (the engine preempts above 20): the cap rises
+    /// only while α more of them would still fit under `kv_raise_below`, so it stops short of the
+    /// preemption point instead of probing into it.
+    #[test]
+    fn the_cap_rises_only_while_the_cache_has_room_for_more() {
+        let mut c = CapController::new(Some(8), CapParams::default());
+        for _ in 0..50 {
+            let running = c.cap().unwrap();
+            assert!(!c.has_room(running));
+            c.on_feedback(Feedback {
+                preemptions_total: Some(0.0),
+                kv_usage: Some(0.05 * f64::from(running)),
+                waiting: Some(0.0),
+                running: Some(f64::from(running)),
+            });
+        }
+        // 16 running use 80%; 18 would use 90% > 85%.
+        assert_eq!(c.cap(), Some(16));
     }
 }

@@ -503,6 +503,7 @@ mod tests {
             preemptions_total: Some(0.0),
             kv_usage: Some(0.1),
             waiting: Some(0.0),
+            running: None,
         };
         assert_eq!(a.on_feedback(0, quiet), Change::Raised);
         assert!(waiter.await.unwrap());
