@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test setup check bench guidellm
+.PHONY: demo test setup check check-deploy bench guidellm
 
 ## Install system packages a fresh Debian/Ubuntu machine lacks (cmake and a C toolchain build
 ## pingora's dependencies). Skipped when already present.
@@ -30,6 +30,22 @@ test: setup
 check: setup
 	$(CARGO) fmt --all -- --check
 	$(CARGO) clippy --workspace --all-targets --locked -- -D warnings
+
+## The deployment files: alert rules (promtool check + unit tests) and the Kubernetes manifests
+## (rendered, then validated strictly against the Kubernetes schemas). Installs promtool (Debian's
+## prometheus package) and kubernetes-validate (PyPI, in .cache/deploy-venv) when missing.
+DEPLOY_VENV := .cache/deploy-venv
+check-deploy: setup
+	@command -v promtool >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
+	promtool check rules deploy/prometheus/alerts.yaml
+	cd deploy/prometheus && promtool test rules alerts.test.yaml
+	@[ -x $(DEPLOY_VENV)/bin/python ] || python3 -m venv $(DEPLOY_VENV)
+	@$(DEPLOY_VENV)/bin/python -c "import kubernetes_validate, yaml" 2>/dev/null || \
+	  $(DEPLOY_VENV)/bin/pip install -q kubernetes-validate==1.37.0 pyyaml
+	$(CARGO) build --locked --bin headroom
+	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom target/debug/headroom
 
 ## Benchmarks recorded in docs/benchmarks.md.
 bench: setup

@@ -48,6 +48,19 @@ enum Command {
         #[command(subcommand)]
         command: headroom_loadtest::cli::TraceCommand,
     },
+    /// The `headroom serve` config: its reference and its JSON Schema, from the config types.
+    Config {
+        #[command(subcommand)]
+        command: ConfigCommand,
+    },
+}
+
+#[derive(Debug, Subcommand)]
+enum ConfigCommand {
+    /// Every setting with its type, default and meaning, as Markdown (docs/configuration.md).
+    Reference,
+    /// The JSON Schema of the config file, for editors and validators.
+    Schema,
 }
 
 fn main() -> ExitCode {
@@ -80,6 +93,18 @@ fn main() -> ExitCode {
             Command::Trace { command } => headroom_loadtest::cli::run_trace(command),
             Command::Capacity(args) => capacity::run(args),
             Command::Report { command } => headroom_loadtest::cli::run_report(command),
+            Command::Config { command } => {
+                match command {
+                    ConfigCommand::Reference => {
+                        print!("{}", headroom_config::reference::markdown())
+                    }
+                    ConfigCommand::Schema => println!(
+                        "{}",
+                        serde_json::to_string_pretty(&headroom_config::reference::schema())?
+                    ),
+                }
+                Ok(())
+            }
         }
     });
     match result {

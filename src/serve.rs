@@ -34,6 +34,10 @@ pub struct ServeArgs {
     /// The engines' KV event replay endpoints, one per backend in order (fills gaps in the stream).
     #[arg(long, value_name = "ENDPOINT,…", value_delimiter = ',')]
     kv_events_replay: Vec<String>,
+    /// Check the config (and the flags given) and exit without serving: 0 when it is valid, 1 with
+    /// every error otherwise.
+    #[arg(long)]
+    check: bool,
 }
 
 impl ServeArgs {
@@ -115,6 +119,13 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         std::time::Duration::from_millis(cfg.shutdown.drain_ms),
         std::time::Duration::from_millis(cfg.shutdown.grace_ms),
     );
+    if args.check {
+        println!(
+            "config ok: listen {}, admin {}, {n} backend(s), policy {policy}, {pools} pool(s), {admission}, {capture}",
+            cfg.listen, cfg.admin_listen
+        );
+        return Ok(());
+    }
     let handle = headroom_proxy::start(cfg)
         .await
         .context("starting the proxy")?;

@@ -210,6 +210,17 @@ fn bad_input_gets_a_clear_error() {
         ),
         (vec!["serve"], "needs --config FILE or --backends"),
         (
+            vec![
+                "serve",
+                "--check",
+                "--backends",
+                "http://a:1",
+                "--listen",
+                "nowhere",
+            ],
+            "listen = nowhere",
+        ),
+        (
             vec!["capacity", "--model", "gpt-9", "--gpu", "h100"],
             "unknown model `gpt-9`",
         ),

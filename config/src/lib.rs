@@ -1,6 +1,7 @@
 //! headroom-config: reading typed TOML files and reporting what is wrong with them by field path,
 //! value and reason, so an operator can fix a config without reading code.
 
+pub mod reference;
 pub mod serve;
 
 use std::fmt;

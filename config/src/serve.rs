@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use serde::Deserialize;
+use serde::{Deserialize, Serialize};
 
 use crate::{FieldError, Validate, check, field_path};
 
@@ -19,7 +19,7 @@ pub const POLICIES: &[&str] = &[
 ];
 
 /// The whole `headroom serve` config.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ServeConfig {
     /// Address the proxy listens on.
@@ -78,7 +78,7 @@ pub struct ServeConfig {
 }
 
 /// TLS on the client listener (rustls; TLS 1.2 and 1.3, HTTP/1.1). Both files or neither.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TlsConfig {
     /// PEM certificate chain, leaf first.
@@ -89,7 +89,7 @@ pub struct TlsConfig {
 
 /// Logging (the format, text or JSON, is the `--log-format` flag, since it applies from the
 /// first line).
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// One line per request (target `headroom::access`): request id, route, status, backend,
@@ -98,7 +98,7 @@ pub struct LogConfig {
 }
 
 /// Draining at SIGTERM: announce, keep serving, then let open requests finish.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ShutdownConfig {
     /// After SIGTERM the proxy keeps accepting (no request is refused) while `/readyz` answers
@@ -120,7 +120,7 @@ impl Default for ShutdownConfig {
 }
 
 /// Client authentication and the treatment of client-supplied forwarding headers.
-#[derive(Debug, Clone, PartialEq, Default, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SecurityConfig {
     /// API keys clients present as `Authorization: Bearer KEY`; none configured means no key is
@@ -133,7 +133,7 @@ pub struct SecurityConfig {
 
 /// One client API key. The config holds its SHA-256 digest or the name of the environment
 /// variable that holds it, never the key itself.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ApiKeyConfig {
     /// Name in metrics and logs.
@@ -174,7 +174,7 @@ fn env_is_set(var: &str) -> bool {
 }
 
 /// How the proxy follows the engines' KV cache events.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct KvEventsConfig {
     /// How the engine hashes blocks, so request-side hashes equal the ones it publishes:
@@ -225,7 +225,7 @@ impl Default for KvEventsConfig {
 }
 
 /// A set of replicas that serves its own classes.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct PoolConfig {
     /// Name in metrics and in `classes.NAME.pool`.
@@ -246,7 +246,7 @@ fn default_borrow_below() -> f64 {
 }
 
 /// One replica.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct BackendConfig {
     /// Base URL, `http://host:port` (no path).
@@ -293,10 +293,11 @@ impl BackendConfig {
 }
 
 /// Routing settings.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct RoutingConfig {
-    /// One of [`POLICIES`].
+    /// `round_robin`, `least_load`, `session`, `consistent_hash`, `prefix_affinity` or `kv_events`
+    /// (docs/routing.md).
     pub policy: String,
     /// Tokens per prefix block (the engine's `--block-size`).
     pub block_tokens: u32,
@@ -336,7 +337,7 @@ impl Default for RoutingConfig {
 }
 
 /// Health checking and passive ejection.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct HealthConfig {
     /// Path probed on each replica.
@@ -373,7 +374,7 @@ impl Default for HealthConfig {
 }
 
 /// Scraping each replica's `/metrics`.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ScrapeConfig {
     /// Time between scrapes; 0 turns scraping off.
@@ -392,7 +393,7 @@ impl Default for ScrapeConfig {
 }
 
 /// Timeouts that suit streaming: a long generation is fine, a silent one is not.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct TimeoutConfig {
     /// Connecting to a replica.
@@ -429,7 +430,7 @@ impl Default for TimeoutConfig {
 }
 
 /// Request limits and retries.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct LimitConfig {
     /// Largest request body accepted (413 above).
@@ -464,7 +465,7 @@ impl Default for LimitConfig {
 }
 
 /// Passive measurement of every request.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct MeasureConfig {
     /// Ask streamed requests for the engine's usage chunk when the client did not, so token counts
@@ -487,7 +488,7 @@ impl Default for MeasureConfig {
 }
 
 /// One traffic class.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields)]
 pub struct ClassConfig {
     /// What a good request of the class achieved.
@@ -527,7 +528,7 @@ fn default_queue_timeout_ms() -> u64 {
 }
 
 /// Admission: each replica takes at most its cap of requests at once; the rest wait at the proxy.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct AdmissionConfig {
     /// Cap and queue at all (off: every request goes straight to routing).
@@ -582,7 +583,7 @@ impl Default for AdmissionConfig {
 }
 
 /// Latency objectives; a request is good when it completed and met every one that is set.
-#[derive(Debug, Clone, Copy, PartialEq, Deserialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct SloConfig {
     /// Time to first token, ms.
@@ -620,7 +621,7 @@ fn default_classes() -> BTreeMap<String, ClassConfig> {
 }
 
 /// Trace capture: each finished request appended to a JSONL file, off the request path.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct CaptureConfig {
     /// The file written; absent turns capture off. Rotated files get a UTC time suffix.

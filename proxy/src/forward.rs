@@ -437,8 +437,14 @@ impl Headroom {
             Ok(h) => h,
             Err(e) => return Attempt::Failed(e),
         };
+        let Some(addr) = backend.addr() else {
+            return Attempt::Failed(ProxyError::new(
+                ErrorKind::UpstreamConnect,
+                format!("{}: {} has not resolved", backend.name, backend.authority),
+            ));
+        };
         let t = &self.cfg.timeouts;
-        let mut peer = HttpPeer::new(backend.addr, false, String::new());
+        let mut peer = HttpPeer::new(addr, false, String::new());
         peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
         let send = async {
             let (mut up, _reused) = self

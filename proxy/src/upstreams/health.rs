@@ -58,9 +58,11 @@ pub async fn probe_loop(
         Duration::from_millis(cfg.interval_ms),
         stop,
         |b| async move {
-            let passed = get_ok(client, format!("{}{path}", b.url), timeout)
-                .await
-                .is_some();
+            // A replica whose name resolves nowhere fails its probe without one being sent.
+            let passed = b.resolve().await.is_some()
+                && get_ok(client, format!("{}{path}", b.url), timeout)
+                    .await
+                    .is_some();
             fleet_ref.probe_result(&b, passed);
             if passed {
                 if let Some(models) = models(client, &b, timeout).await {

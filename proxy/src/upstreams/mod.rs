@@ -32,8 +32,10 @@ pub struct Backend {
     pub url: String,
     /// `host:port`, sent as the `Host` header.
     pub authority: String,
-    /// Resolved address.
-    pub addr: SocketAddr,
+    /// The address `authority` resolved to last; None until it resolves (the replica counts as
+    /// unhealthy until then). Resolved again before every health probe, so a replica that comes
+    /// back at a new address (a restarted pod) is followed.
+    addr: Mutex<Option<SocketAddr>>,
     /// Stable identity for hashing policies.
     pub key: u64,
     /// `Authorization` value for the engine's own API key (`api_key_env`), when configured.
@@ -104,13 +106,37 @@ pub struct LoadReading {
 }
 
 impl Backend {
+    /// The replica's address as last resolved.
+    pub fn addr(&self) -> Option<SocketAddr> {
+        *self.addr.lock().expect("addr lock")
+    }
+
+    /// Resolves the replica's host name again; keeps the last address when the lookup fails.
+    pub async fn resolve(&self) -> Option<SocketAddr> {
+        match tokio::net::lookup_host(&self.authority).await {
+            Ok(mut addrs) => {
+                if let Some(a) = addrs.next() {
+                    let mut addr = self.addr.lock().expect("addr lock");
+                    if *addr != Some(a) {
+                        tracing::info!(backend = %self.name, from = ?*addr, to = %a, "replica address changed");
+                        *addr = Some(a);
+                    }
+                }
+            }
+            Err(e) => tracing::debug!(backend = %self.name, error = %e, "lookup failed"),
+        }
+        self.addr()
+    }
+
     fn new(id: BackendId, cfg: &BackendConfig) -> Result<Self, String> {
         let authority = cfg.authority().to_owned();
-        let addr = authority
-            .to_socket_addrs()
-            .map_err(|e| format!("backend {}: cannot resolve {authority}: {e}", cfg.url))?
-            .next()
-            .ok_or_else(|| format!("backend {}: {authority} has no address", cfg.url))?;
+        let addr = match authority.to_socket_addrs() {
+            Ok(mut addrs) => addrs.next(),
+            Err(e) => {
+                tracing::warn!(backend = %cfg.url, error = %e, "cannot resolve yet; unhealthy until it resolves");
+                None
+            }
+        };
         let authorization = match &cfg.api_key_env {
             None => None,
             Some(var) => {
@@ -132,8 +158,8 @@ impl Backend {
             key: xxhash_rust::xxh3::xxh3_64(cfg.url.as_bytes()),
             authorization,
             authority,
-            addr,
-            probe_healthy: AtomicBool::new(true),
+            probe_healthy: AtomicBool::new(addr.is_some()),
+            addr: Mutex::new(addr),
             probe_fails: AtomicU32::new(0),
             probe_passes: AtomicU32::new(0),
             request_fails: AtomicU32::new(0),
@@ -251,7 +277,8 @@ pub struct Fleet {
 }
 
 impl Fleet {
-    /// Resolves every backend; fails naming the first that cannot be resolved.
+    /// The fleet of `backends`; a host name that does not resolve yet leaves its replica unhealthy
+    /// until a later health probe resolves it.
     pub fn new(backends: &[BackendConfig], health: HealthConfig) -> Result<Self, String> {
         let backends = backends
             .iter()
@@ -453,13 +480,23 @@ mod tests {
         assert!(b.probe_healthy());
     }
 
-    #[test]
-    fn unresolvable_backends_are_named() {
-        let err = Fleet::new(
-            &[BackendConfig::at("http://no-such-host.invalid:1")],
+    #[tokio::test]
+    async fn a_name_that_does_not_resolve_yet_is_unhealthy_until_it_does() {
+        let f = Fleet::new(
+            &[
+                BackendConfig::at("http://no-such-host.invalid:1"),
+                BackendConfig::at("http://localhost:1"),
+            ],
             HealthConfig::default(),
         )
-        .unwrap_err();
-        assert!(err.contains("no-such-host.invalid"), "{err}");
+        .unwrap();
+        let (missing, local) = (&f.backends[0], &f.backends[1]);
+        assert_eq!(missing.addr(), None);
+        assert!(!missing.probe_healthy());
+        assert_eq!(missing.resolve().await, None);
+        assert!(local.probe_healthy());
+        let addr = local.resolve().await.expect("localhost resolves");
+        assert!(addr.ip().is_loopback());
+        assert_eq!(addr.port(), 1);
     }
 }
