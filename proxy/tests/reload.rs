@@ -88,9 +88,10 @@ async fn a_reload_moves_new_requests_and_lets_streams_in_progress_finish() {
     assert!(body.contains("data: [DONE]"), "the stream was cut");
 
     // A config that cannot be served, or that needs a restart, is refused; the old one serves on.
-    let mut unresolvable = cfg_b.clone();
-    unresolvable.backends = vec![BackendConfig::at("http://no-such-host.invalid:8000")];
-    assert!(h.reload(unresolvable).await.is_err());
+    let mut unbuildable = cfg_b.clone();
+    unbuildable.backends[0].api_key_env = Some("HEADROOM_TEST_NEVER_SET".into());
+    let e = h.reload(unbuildable).await.unwrap_err().to_string();
+    assert!(e.contains("HEADROOM_TEST_NEVER_SET is not set"), "{e}");
     let mut moved = cfg_b.clone();
     moved.listen = "127.0.0.1:1".into();
     let e = h.reload(moved).await.unwrap_err().to_string();
