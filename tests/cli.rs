@@ -242,11 +242,11 @@ fn bad_input_gets_a_clear_error() {
             vec![
                 "serve",
                 "--backends",
-                "https://a:1,http://b",
+                "https://a:1/v1,http://b",
                 "--listen",
                 "x",
             ],
-            "backends[0].url = https://a:1: TLS to replicas is not supported yet",
+            "backends[0].url = https://a:1/v1: must be http://host:port or https://host:port",
         ),
         (
             vec!["serve", "--config", "/nonexistent/headroom.toml"],

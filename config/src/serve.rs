@@ -75,6 +75,9 @@ pub struct ServeConfig {
     /// TLS on the client listener.
     #[serde(default)]
     pub tls: TlsConfig,
+    /// TLS to `https://` backends.
+    #[serde(default)]
+    pub upstream_tls: UpstreamTlsConfig,
 }
 
 /// TLS on the client listener (rustls; TLS 1.2 and 1.3, HTTP/1.1). Both files or neither.
@@ -84,6 +87,20 @@ pub struct TlsConfig {
     /// PEM certificate chain, leaf first.
     pub cert: Option<String>,
     /// PEM private key (PKCS#8, PKCS#1 or SEC1).
+    pub key: Option<String>,
+}
+
+/// TLS to replicas whose URL is `https://` (rustls; TLS 1.2 and 1.3): the replica's certificate is
+/// verified against `ca` (else the system's roots) and must name the URL's host.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct UpstreamTlsConfig {
+    /// PEM file of the CA certificates that sign the replicas' certificates; absent, the system's
+    /// trusted roots (and `SSL_CERT_FILE` / `SSL_CERT_DIR`).
+    pub ca: Option<String>,
+    /// PEM client certificate chain presented to the replicas (mutual TLS); with `key`.
+    pub cert: Option<String>,
+    /// PEM private key of `cert`.
     pub key: Option<String>,
 }
 
@@ -281,7 +298,22 @@ impl BackendConfig {
 
     /// `host:port` of the URL.
     pub fn authority(&self) -> &str {
-        self.url.trim_start_matches("http://").trim_end_matches('/')
+        self.url
+            .strip_prefix("https://")
+            .unwrap_or_else(|| self.url.trim_start_matches("http://"))
+            .trim_end_matches('/')
+    }
+
+    /// Whether the replica is reached over TLS (`https://`).
+    pub fn tls(&self) -> bool {
+        self.url.starts_with("https://")
+    }
+
+    /// The host the replica's certificate must name (the URL's host, without brackets or port).
+    pub fn host(&self) -> &str {
+        let a = self.authority();
+        let host = a.rsplit_once(':').map_or(a, |(h, _)| h);
+        host.trim_start_matches('[').trim_end_matches(']')
     }
 
     /// The backend's name: the configured one, else `host:port`.
@@ -691,6 +723,7 @@ impl ServeConfig {
             shutdown: ShutdownConfig::default(),
             log: LogConfig::default(),
             tls: TlsConfig::default(),
+            upstream_tls: UpstreamTlsConfig::default(),
         }
     }
 
@@ -842,13 +875,15 @@ impl Validate for ServeConfig {
         let mut names = std::collections::HashSet::new();
         for (i, b) in self.backends.iter().enumerate() {
             let bp = field_path(p, &format!("backends[{i}]"));
-            let ok = b.url.starts_with("http://") && is_host_port(b.authority());
-            let why = if b.url.starts_with("https://") {
-                "TLS to replicas is not supported yet; use http://host:port"
-            } else {
-                "must be http://host:port (no path)"
-            };
-            check(e, ok, &bp, "url", &b.url, why);
+            let ok = (b.url.starts_with("http://") || b.tls()) && is_host_port(b.authority());
+            check(
+                e,
+                ok,
+                &bp,
+                "url",
+                &b.url,
+                "must be http://host:port or https://host:port (no path)",
+            );
             let name = b.display_name();
             check(
                 e,
@@ -896,6 +931,28 @@ impl Validate for ServeConfig {
             }
         }
         self.validate_security(p, e);
+        let up = field_path(p, "upstream_tls");
+        let u = &self.upstream_tls;
+        for (field, path) in [("ca", &u.ca), ("cert", &u.cert), ("key", &u.key)] {
+            if let Some(path) = path {
+                check(
+                    e,
+                    std::path::Path::new(path).is_file(),
+                    &up,
+                    field,
+                    path,
+                    "no such file",
+                );
+            }
+        }
+        check(
+            e,
+            u.cert.is_some() == u.key.is_some(),
+            &up,
+            if u.cert.is_some() { "key" } else { "cert" },
+            "(absent)",
+            "a client certificate needs both cert and key",
+        );
         let tp = field_path(p, "tls");
         match (&self.tls.cert, &self.tls.key) {
             (None, None) => {}
@@ -1392,6 +1449,20 @@ mod tests {
         assert_eq!(c.routing.policy, "prefix_affinity");
         assert_eq!(c.backends[0].display_name(), "127.0.0.1:8000");
         assert_eq!(c.admin_listen, "127.0.0.1:9090");
+        assert!(!c.backends[0].tls());
+        for (url, authority, host) in [
+            (
+                "https://vllm-0.vllm:8443",
+                "vllm-0.vllm:8443",
+                "vllm-0.vllm",
+            ),
+            ("https://[::1]:8443/", "[::1]:8443", "::1"),
+            ("http://127.0.0.1:8000", "127.0.0.1:8000", "127.0.0.1"),
+        ] {
+            let b = BackendConfig::at(url);
+            assert_eq!((b.authority(), b.host()), (authority, host), "{url}");
+            assert_eq!(b.tls(), url.starts_with("https"));
+        }
     }
 
     #[test]
@@ -1399,9 +1470,11 @@ mod tests {
         let text = r#"
 listen = "8080"
 [[backends]]
-url = "https://a:1"
+url = "https://a:1/v1"
 [[backends]]
 url = "http://b:2/v1"
+[upstream_tls]
+cert = "/nonexistent/client.crt"
 [routing]
 policy = "fastest"
 block_tokens = 0
@@ -1411,8 +1484,10 @@ block_tokens = 0
             .to_string();
         for want in [
             "listen = 8080: must be host:port",
-            "backends[0].url = https://a:1: TLS to replicas is not supported yet",
+            "backends[0].url = https://a:1/v1: must be http://host:port or https://host:port",
             "backends[1].url = http://b:2/v1: must be http://host:port",
+            "upstream_tls.cert = /nonexistent/client.crt: no such file",
+            "upstream_tls.key = (absent): a client certificate needs both cert and key",
             "routing.policy = fastest: must be one of round_robin",
             "routing.block_tokens = 0",
         ] {

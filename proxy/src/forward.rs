@@ -444,7 +444,12 @@ impl Headroom {
             ));
         };
         let t = &self.cfg.timeouts;
-        let mut peer = HttpPeer::new(addr, false, String::new());
+        // The SNI is also the name the certificate is verified against (never empty for TLS:
+        // pingora skips verification without one).
+        let mut peer = match &backend.tls_host {
+            Some(host) => HttpPeer::new(addr, true, host.clone()),
+            None => HttpPeer::new(addr, false, String::new()),
+        };
         peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
         let send = async {
             let (mut up, _reused) = self

@@ -15,6 +15,7 @@ use headroom_workload::engine_tokenizer::EngineTokenizer;
 use headroom_workload::inspect::{Chain, InspectConfig, VllmChain};
 use headroom_workload::vllm_hash::{SaltKeys, VllmHasher};
 use pingora::apps::ServerApp;
+use pingora::connectors::ConnectorOptions;
 use pingora::connectors::http::Connector;
 use pingora::listeners::tls::Acceptor as TlsAcceptor;
 use pingora::proxy::HttpProxy;
@@ -390,10 +391,7 @@ impl Generation {
                 Duration::from_millis(a.lifo_after_ms),
             )
         });
-        let http = reqwest::Client::builder()
-            .pool_idle_timeout(Duration::from_secs(30))
-            .build()
-            .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
+        let (connector, http) = upstream_clients(&cfg)?;
         let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let headroom = Headroom {
             lifecycle: shared.lifecycle.clone(),
@@ -406,7 +404,7 @@ impl Generation {
             policy: policy.clone(),
             passthrough: LeastLoad,
             metrics: metrics.clone(),
-            connector: Connector::new(None),
+            connector,
             cfg: cfg.clone(),
             inspect: inspect_config(&cfg)?,
             http: http.clone(),
@@ -585,6 +583,58 @@ impl FirstHeader {
         }
     }
 }
+
+/// The data plane's connector and the HTTP client of probes and scrapes, both trusting
+/// `[upstream_tls] ca` (else the system's roots) for `https://` replicas and presenting its client
+/// certificate when one is set. The files are read here, so a bad one is refused with its reason.
+fn upstream_clients(cfg: &ServeConfig) -> Result<(Connector, reqwest::Client), ServeError> {
+    let u = &cfg.upstream_tls;
+    let bad = |why: String| ServeError::Config(format!("upstream_tls: {why}"));
+    let read = |path: &str| std::fs::read(path).map_err(|e| bad(format!("reading {path}: {e}")));
+    let mut http = reqwest::Client::builder()
+        .use_rustls_tls()
+        .pool_idle_timeout(Duration::from_secs(30));
+    let mut options = ConnectorOptions::new(CONNECTION_POOL_SIZE);
+    if let Some(ca) = &u.ca {
+        pingora::tls::install_default_crypto_provider();
+        let mut store = pingora::tls::RootCertStore::empty();
+        pingora::tls::load_ca_file_into_store(ca, &mut store)
+            .map_err(|e| bad(format!("{ca} is not a PEM file of CA certificates: {e}")))?;
+        if store.is_empty() {
+            return Err(bad(format!("{ca} holds no certificate")));
+        }
+        let roots = reqwest::Certificate::from_pem_bundle(&read(ca)?)
+            .map_err(|e| bad(format!("{ca}: {e}")))?;
+        http = http.tls_built_in_root_certs(false);
+        for root in roots {
+            http = http.add_root_certificate(root);
+        }
+        options.ca_file = Some(ca.clone());
+    }
+    if let (Some(cert), Some(key)) = (&u.cert, &u.key) {
+        pingora::tls::load_certs_and_key_files(cert, key)
+            .map_err(|e| bad(format!("reading {cert} and {key}: {e}")))?
+            .ok_or_else(|| {
+                bad(format!(
+                    "{cert} holds no certificate or {key} no private key"
+                ))
+            })?;
+        let mut pem = read(cert)?;
+        pem.push(b'\n');
+        pem.extend(read(key)?);
+        let identity =
+            reqwest::Identity::from_pem(&pem).map_err(|e| bad(format!("{cert} and {key}: {e}")))?;
+        http = http.identity(identity);
+        options.cert_key_file = Some((cert.clone(), key.clone()));
+    }
+    let http = http
+        .build()
+        .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
+    Ok((Connector::new(Some(options)), http))
+}
+
+/// Idle upstream connections kept for reuse (pingora's default).
+const CONNECTION_POOL_SIZE: usize = 128;
 
 /// The TLS acceptor of `[tls]`, when configured (rustls: TLS 1.2 and 1.3, HTTP/1.1).
 fn tls_acceptor(cfg: &ServeConfig) -> Result<Option<Arc<TlsAcceptor>>, ServeError> {

@@ -1,6 +1,6 @@
-//! Client API keys (401 before any engine sees the request, per-key class, per-key rate limit)
-//! and the headers an engine receives: the client's forwarding claims and the proxy's own inputs
-//! are removed unless trusted.
+//! Client API keys (401 before any engine sees the request, per-key class, per-key rate limit),
+//! the headers an engine receives (the client's forwarding claims and the proxy's own inputs are
+//! removed unless trusted), TLS on the listener and TLS to replicas verified against a CA.
 
 mod common;
 
@@ -267,4 +267,86 @@ async fn the_tls_listener_serves_https_and_tells_the_engine() {
         .to_string();
     assert!(e.contains("no private key"), "{e}");
     h.shutdown().await;
+}
+
+/// `/stats`' view of the first replica's health.
+async fn first_backend_healthy(h: &ServeHandle) -> bool {
+    let stats: Value = reqwest::get(format!("http://{}/stats", h.admin_addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    stats["backends"][0]["healthy"].as_bool().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn https_replicas_are_verified_against_the_configured_ca() {
+    // An engine behind a TLS front (headroom's own TLS listener, with the localhost certificate).
+    let (url, seen) = engine().await;
+    let mut front = ServeConfig::quick("127.0.0.1:0", &[url], "least_load");
+    front.admin_listen = "127.0.0.1:0".into();
+    front.scrape.interval_ms = 0;
+    front.tls.cert = Some(fixture("localhost.crt"));
+    front.tls.key = Some(fixture("localhost.key"));
+    let front = headroom_proxy::start(front.validated().unwrap())
+        .await
+        .unwrap();
+    let replica = format!("https://127.0.0.1:{}", front.addr.port());
+    let through = |ca: Option<String>| {
+        let mut cfg =
+            ServeConfig::quick("127.0.0.1:0", std::slice::from_ref(&replica), "least_load");
+        cfg.admin_listen = "127.0.0.1:0".into();
+        cfg.scrape.interval_ms = 0;
+        cfg.health.interval_ms = 50;
+        cfg.upstream_tls.ca = ca;
+        async move {
+            headroom_proxy::start(cfg.validated().unwrap())
+                .await
+                .unwrap()
+        }
+    };
+
+    // Trusting the CA that signed the replica's certificate: served over TLS end to end.
+    let trusted = through(Some(fixture("localhost.crt"))).await;
+    let resp = complete(&trusted, &[]).await;
+    assert_eq!(resp.status(), 200);
+    assert_eq!(seen.requests(), 1);
+    assert_eq!(seen.last()["x-forwarded-proto"], "https");
+
+    // With only the system's roots the certificate is unknown: the request fails at the proxy
+    // (502/503 with no replica left to try; nothing reaches the engine) and the health probes,
+    // over the same TLS, fail too.
+    let untrusted = through(None).await;
+    let resp = complete(&untrusted, &[]).await;
+    assert!(
+        [502, 503].contains(&resp.status().as_u16()),
+        "{}",
+        resp.status()
+    );
+    assert_eq!(seen.requests(), 1);
+    let mut flipped = false;
+    for _ in 0..200 {
+        if !first_backend_healthy(&untrusted).await {
+            flipped = true;
+            break;
+        }
+        tokio::time::sleep(std::time::Duration::from_millis(25)).await;
+    }
+    assert!(flipped, "the untrusted replica never turned unhealthy");
+    assert!(first_backend_healthy(&trusted).await);
+
+    // A CA file that is not one: refused at start, with the reason.
+    let mut broken =
+        ServeConfig::quick("127.0.0.1:0", std::slice::from_ref(&replica), "least_load");
+    broken.admin_listen = "127.0.0.1:0".into();
+    broken.upstream_tls.ca = Some(fixture("localhost.key"));
+    let e = headroom_proxy::start(broken.validated().unwrap())
+        .await
+        .unwrap_err()
+        .to_string();
+    assert!(e.contains("upstream_tls"), "{e}");
+    for h in [trusted, untrusted, front] {
+        h.shutdown().await;
+    }
 }

@@ -32,6 +32,8 @@ pub struct Backend {
     pub url: String,
     /// `host:port`, sent as the `Host` header.
     pub authority: String,
+    /// The host the replica's certificate must name, when it is reached over TLS (`https://`).
+    pub tls_host: Option<String>,
     /// The address `authority` resolved to last; None until it resolves (the replica counts as
     /// unhealthy until then). Resolved again before every health probe, so a replica that comes
     /// back at a new address (a restarted pod) is followed.
@@ -158,6 +160,7 @@ impl Backend {
             key: xxhash_rust::xxh3::xxh3_64(cfg.url.as_bytes()),
             authorization,
             authority,
+            tls_host: cfg.tls().then(|| cfg.host().to_owned()),
             probe_healthy: AtomicBool::new(addr.is_some()),
             addr: Mutex::new(addr),
             probe_fails: AtomicU32::new(0),
