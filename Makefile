@@ -41,6 +41,9 @@ check-deploy: setup
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
 	promtool check rules deploy/prometheus/alerts.yaml
 	cd deploy/prometheus && promtool test rules alerts.test.yaml
+	@python3 -c "import ensurepip, venv" 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-venv; }
 	@[ -x $(DEPLOY_VENV)/bin/python ] || python3 -m venv $(DEPLOY_VENV)
 	@$(DEPLOY_VENV)/bin/python -c "import kubernetes_validate, yaml" 2>/dev/null || \
 	  $(DEPLOY_VENV)/bin/pip install -q kubernetes-validate==1.37.0 pyyaml

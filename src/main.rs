@@ -133,7 +133,12 @@ async fn run_sim(args: headroom_sim::SimArgs) -> anyhow::Result<()> {
             .or(args.model.as_deref())
             .unwrap_or(&args.profile)
     );
-    tokio::signal::ctrl_c().await?;
+    // Ctrl-C, or SIGTERM from a process manager (in a container the simulator is PID 1).
+    let mut term = tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate())?;
+    tokio::select! {
+        r = tokio::signal::ctrl_c() => r?,
+        _ = term.recv() => {}
+    }
     eprintln!("headroom sim: stopping");
     for r in fleet {
         r.shutdown().await?;

@@ -34,8 +34,9 @@ pub struct ServeArgs {
     /// The engines' KV event replay endpoints, one per backend in order (fills gaps in the stream).
     #[arg(long, value_name = "ENDPOINT,…", value_delimiter = ',')]
     kv_events_replay: Vec<String>,
-    /// Check the config (and the flags given) and exit without serving: 0 when it is valid, 1 with
-    /// every error otherwise.
+    /// Check the config (and the flags given), and the files it names (TLS, tokenizer), then exit
+    /// without serving: 0 when it would start (with a warning for a replica name that does not
+    /// resolve now), 1 with the errors otherwise.
     #[arg(long)]
     check: bool,
 }
@@ -120,6 +121,9 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
         std::time::Duration::from_millis(cfg.shutdown.grace_ms),
     );
     if args.check {
+        for warning in headroom_proxy::preflight(&cfg)? {
+            eprintln!("warning: {warning}");
+        }
         println!(
             "config ok: listen {}, admin {}, {n} backend(s), policy {policy}, {pools} pool(s), {admission}, {capture}",
             cfg.listen, cfg.admin_listen

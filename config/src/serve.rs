@@ -664,6 +664,9 @@ pub struct CaptureConfig {
     pub rotate_bytes: u64,
     /// Rotate when the file is this old; 0 never.
     pub rotate_secs: u64,
+    /// Rotated files kept; older ones are deleted at each rotation (0: keep all, for a collector
+    /// that moves them away).
+    pub keep_files: u32,
     /// Records waiting for the writer at most; beyond, records are dropped and counted.
     pub buffer_records: usize,
     /// Secret that keys the trace's hash ids; absent, a random one per process (ids then match
@@ -678,6 +681,7 @@ impl Default for CaptureConfig {
             sample: 1.0,
             rotate_bytes: 256 << 20,
             rotate_secs: 3_600,
+            keep_files: 0,
             buffer_records: 65_536,
             id_key: None,
         }
@@ -1289,6 +1293,14 @@ impl Validate for ServeConfig {
             "kv_raise_below",
             a.kv_raise_below,
             "must be in (0, 1]",
+        );
+        check(
+            e,
+            a.kv_raise_below <= a.kv_high,
+            &ap,
+            "kv_raise_below",
+            a.kv_raise_below,
+            "must not exceed kv_high (the cap would rise into the usage that cuts it)",
         );
         check(
             e,

@@ -26,4 +26,4 @@ pub mod server;
 pub mod telemetry;
 pub mod upstreams;
 
-pub use server::{ServeError, ServeHandle, build_policy, start};
+pub use server::{ServeError, ServeHandle, build_policy, preflight, start};

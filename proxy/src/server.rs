@@ -287,6 +287,27 @@ pub fn inspect_config(cfg: &ServeConfig) -> Result<InspectConfig, ServeError> {
     })
 }
 
+/// Everything `start` would build from `cfg` short of listening: the TLS files, the tokenizer, the
+/// API keys. Returns warnings that do not stop a start (a replica name that does not resolve now).
+pub fn preflight(cfg: &ServeConfig) -> Result<Vec<String>, ServeError> {
+    tls_acceptor(cfg)?;
+    upstream_clients(cfg)?;
+    inspect_config(cfg)?;
+    crate::auth::Keys::from_config(&cfg.security).map_err(|e| ServeError::Config(e.to_string()))?;
+    let mut warnings = Vec::new();
+    for b in &cfg.backends {
+        use std::net::ToSocketAddrs;
+        if let Err(e) = b.authority().to_socket_addrs() {
+            warnings.push(format!(
+                "backend {}: {} does not resolve now ({e}); it stays unhealthy until it does",
+                b.display_name(),
+                b.authority()
+            ));
+        }
+    }
+    Ok(warnings)
+}
+
 /// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
 pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let cfg = Arc::new(cfg);

@@ -71,6 +71,11 @@ async fn a_reload_moves_new_requests_and_lets_streams_in_progress_finish() {
         name: Some("b".into()),
         ..BackendConfig::at(&b.url())
     }];
+    let before = common::get_text(&format!("{admin}/metrics")).await;
+    assert!(
+        before.contains("headroom_backend_healthy{backend=\"a\"} 1"),
+        "{before}"
+    );
     h.reload(cfg_b.clone()).await.unwrap();
     // New requests (new connections) go by the new config at once.
     assert_eq!(served_by(&reqwest::Client::new(), &url).await, "b");
@@ -106,5 +111,14 @@ async fn a_reload_moves_new_requests_and_lets_streams_in_progress_finish() {
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .sum();
     assert_eq!(answered, 4.0, "{m}");
+    // The replica the reload removed has no gauges left for an alert to read.
+    assert!(
+        m.contains("headroom_backend_healthy{backend=\"b\"} 1"),
+        "{m}"
+    );
+    assert!(
+        !m.contains("headroom_backend_healthy{backend=\"a\"}"),
+        "{m}"
+    );
     h.shutdown().await;
 }

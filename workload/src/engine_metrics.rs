@@ -28,6 +28,9 @@ impl EngineGauges {
     /// Reads the gauges from an exposition; absent series stay `None`.
     pub fn parse(text: &str) -> Self {
         let mut g = Self::default();
+        // KV usage is a fraction per engine (data-parallel ranks each report theirs): the replica's
+        // is their mean, where counts and totals add up.
+        let mut kv_engines = 0.0;
         for line in text.lines() {
             let Some((name, labels, value)) = sample(line) else {
                 continue;
@@ -35,7 +38,10 @@ impl EngineGauges {
             let slot = match name {
                 "vllm:num_requests_running" => &mut g.running,
                 "vllm:num_requests_waiting" => &mut g.waiting,
-                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => &mut g.kv_usage,
+                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
+                    kv_engines += 1.0;
+                    &mut g.kv_usage
+                }
                 "vllm:num_preemptions_total" => &mut g.preemptions_total,
                 "vllm:prefix_cache_queries_total" | "vllm:gpu_prefix_cache_queries_total" => {
                     &mut g.prefix_queries_total
@@ -51,6 +57,9 @@ impl EngineGauges {
                 _ => continue,
             };
             *slot = Some(slot.unwrap_or(0.0) + value);
+        }
+        if kv_engines > 1.0 {
+            g.kv_usage = g.kv_usage.map(|sum| sum / kv_engines);
         }
         g
     }
@@ -112,6 +121,7 @@ vllm:num_requests_running{engine="0",model_name="m"} 3.0
 vllm:num_requests_running{engine="1",model_name="m"} 2.0
 vllm:num_requests_waiting{engine="0",model_name="m"} 7
 vllm:gpu_cache_usage_perc{engine="0",model_name="m"} 0.25
+vllm:gpu_cache_usage_perc{engine="1",model_name="m"} 0.75
 vllm:num_preemptions_total{engine="0",model_name="m"} 4 1700000000000
 vllm:prefix_cache_queries_total{engine="0",model_name="m"} 1000
 vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250
@@ -120,11 +130,11 @@ vllm:num_requests_running_total_bogus 9
 "#;
 
     #[test]
-    fn reads_vllm_gauges_summed_over_engines() {
+    fn reads_vllm_gauges_summed_over_engines_and_kv_usage_averaged() {
         let g = EngineGauges::parse(TEXT);
         assert_eq!(g.running, Some(5.0));
         assert_eq!(g.waiting, Some(7.0));
-        assert_eq!(g.kv_usage, Some(0.25));
+        assert_eq!(g.kv_usage, Some(0.5));
         assert_eq!(g.preemptions_total, Some(4.0));
         assert_eq!((g.num_gpu_blocks, g.block_size), (Some(101), Some(16)));
         assert_eq!(g.kv_capacity_tokens(), Some(1600));

@@ -40,7 +40,7 @@ pub struct CapParams {
     pub alpha: u32,
     /// KV usage that counts as pressure.
     pub kv_high: f64,
-    /// Projected KV usage at cap + α above which the cap is not raised.
+    /// KV usage projected for α more running sequences above which the cap is not raised.
     pub kv_raise_below: f64,
     /// Scrapes after a cut before another.
     pub cooldown: u32,

@@ -121,6 +121,7 @@ impl Capture {
             key,
             rotate_bytes: cfg.rotate_bytes,
             rotate_after: (cfg.rotate_secs > 0).then(|| Duration::from_secs(cfg.rotate_secs)),
+            keep_files: cfg.keep_files as usize,
             counters: counters.clone(),
             errors_logged: 0,
         };
@@ -247,6 +248,7 @@ struct Writer {
     key: Vec<u8>,
     rotate_bytes: u64,
     rotate_after: Option<Duration>,
+    keep_files: usize,
     counters: CaptureCounters,
     errors_logged: u64,
 }
@@ -377,12 +379,56 @@ impl Writer {
             Ok(()) => {
                 self.counters.rotations.inc();
                 tracing::info!(file = %target.display(), "trace capture rotated");
+                if self.keep_files > 0 {
+                    prune_rotated(&self.path, self.keep_files);
+                }
             }
             Err(e) => tracing::error!(error = %e, "trace capture rotation failed"),
         }
         match CaptureFile::open(&self.path) {
             Ok(f) => self.file = Some(f),
             Err(e) => tracing::error!(error = %e, "cannot reopen the capture file"),
+        }
+    }
+}
+
+/// Deletes the oldest files rotated from `path` beyond the newest `keep` (their names sort by
+/// their UTC start).
+fn prune_rotated(path: &Path, keep: usize) {
+    let (Some(stem), Some(ext)) = (path.file_stem(), path.extension()) else {
+        return;
+    };
+    let (prefix, suffix) = (
+        format!("{}.", stem.to_string_lossy()),
+        format!(".{}", ext.to_string_lossy()),
+    );
+    let dir = path
+        .parent()
+        .filter(|d| !d.as_os_str().is_empty())
+        .unwrap_or_else(|| Path::new("."));
+    let Ok(entries) = std::fs::read_dir(dir) else {
+        return;
+    };
+    let mut rotated: Vec<PathBuf> = entries
+        .filter_map(|e| e.ok().map(|e| e.path()))
+        .filter(|p| {
+            p.file_name()
+                .map(|n| n.to_string_lossy())
+                .and_then(|n| {
+                    let stamp = n.strip_prefix(&prefix)?.strip_suffix(&suffix)?;
+                    Some(stamp.len() >= 16 && stamp.starts_with(|c: char| c.is_ascii_digit()))
+                })
+                .unwrap_or(false)
+        })
+        .collect();
+    rotated.sort();
+    let excess = rotated.len().saturating_sub(keep);
+    for old in &rotated[..excess] {
+        match std::fs::remove_file(old) {
+            Ok(()) => tracing::info!(file = %old.display(), "old trace capture deleted"),
+            Err(e) => {
+                tracing::warn!(file = %old.display(), error = %e, "cannot delete an old trace capture")
+            }
         }
     }
 }
@@ -498,6 +544,41 @@ mod tests {
         assert!(
             all.iter()
                 .all(|r| r.hash_ids == all[0].hash_ids && r.hash_ids.len() == 2)
+        );
+        let _ = std::fs::remove_dir_all(&dir);
+    }
+
+    #[test]
+    fn only_the_newest_rotated_files_are_kept() {
+        let dir =
+            std::env::temp_dir().join(format!("headroom-capture-keep-{}", std::process::id()));
+        let _ = std::fs::remove_dir_all(&dir);
+        std::fs::create_dir_all(&dir).unwrap();
+        let path = dir.join("trace.jsonl");
+        // Rotated files of earlier days, another capture's file and an unrelated one.
+        for name in [
+            "trace.20260101T000000Z.jsonl",
+            "trace.20260102T000000Z.jsonl",
+            "trace.20260103T000000Z.jsonl",
+            "other.20260101T000000Z.jsonl",
+            "trace.notes.jsonl",
+        ] {
+            std::fs::write(dir.join(name), "").unwrap();
+        }
+        prune_rotated(&path, 2);
+        let mut left: Vec<String> = std::fs::read_dir(&dir)
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect();
+        left.sort();
+        assert_eq!(
+            left,
+            [
+                "other.20260101T000000Z.jsonl",
+                "trace.20260102T000000Z.jsonl",
+                "trace.20260103T000000Z.jsonl",
+                "trace.notes.jsonl",
+            ]
         );
         let _ = std::fs::remove_dir_all(&dir);
     }

@@ -97,7 +97,7 @@ pub struct Metrics {
     /// Clients that went away before their response finished, by backend.
     pub client_aborts: IntCounterVec,
     backend: BackendGauges,
-    last: Mutex<Vec<BackendTotals>>,
+    last: Mutex<std::collections::HashMap<String, BackendTotals>>,
     /// KV event stream counters, by backend.
     pub kv_events: KvEventCounters,
 }
@@ -153,9 +153,29 @@ struct BackendGauges {
 /// Running totals already exported per replica, so counters advance by differences.
 #[derive(Debug, Clone, Default)]
 struct BackendTotals {
+    /// The replica's URL: another URL under the same name (after a reload) is another engine,
+    /// whose counters are not continued from this one's.
+    url: String,
     in_flight_seconds: f64,
     ejections: f64,
     engine: EngineGauges,
+}
+
+impl BackendTotals {
+    /// The totals of `b`, started afresh when the name now belongs to another replica.
+    fn of<'a>(
+        last: &'a mut std::collections::HashMap<String, BackendTotals>,
+        b: &Backend,
+    ) -> &'a mut BackendTotals {
+        let t = last.entry(b.name.clone()).or_default();
+        if t.url != b.url {
+            *t = BackendTotals {
+                url: b.url.clone(),
+                ..BackendTotals::default()
+            };
+        }
+        t
+    }
 }
 
 /// Labels of per-request measurements.
@@ -442,7 +462,7 @@ impl Metrics {
                     "Prefix-cache hits over queries between the last two scrapes.",
                 ),
             },
-            last: Mutex::new(Vec::new()),
+            last: Mutex::new(std::collections::HashMap::new()),
             kv_events: KvEventCounters {
                 batches: counter(
                     "headroom_kv_events_batches_total",
@@ -577,10 +597,7 @@ impl Metrics {
         set(&bg.running, g.running);
         set(&bg.waiting, g.waiting);
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.len() <= b.id {
-            last.resize(b.id + 1, BackendTotals::default());
-        }
-        let prev = &mut last[b.id].engine;
+        let prev = &mut BackendTotals::of(&mut last, b).engine;
         let advance = |v: &FloatCounterVec, now: Option<f64>, before: Option<f64>| -> f64 {
             let Some(now) = now else { return 0.0 };
             let d = match before {
@@ -615,12 +632,32 @@ impl Metrics {
         }
     }
 
-    /// Reads the fleet's per-replica state into the gauges.
+    /// Reads the fleet's per-replica state into the gauges. A replica no longer in the fleet (a
+    /// reload removed it) loses its gauges, so no alert keeps reading its last state.
     pub fn refresh(&self, fleet: &Fleet) {
         let bg = &self.backend;
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        if last.len() < fleet.backends.len() {
-            last.resize(fleet.backends.len(), BackendTotals::default());
+        let gone: Vec<String> = last
+            .keys()
+            .filter(|n| !fleet.backends.iter().any(|b| &b.name == *n))
+            .cloned()
+            .collect();
+        for name in gone {
+            last.remove(&name);
+            for g in [
+                &bg.in_flight,
+                &bg.pending_prefill,
+                &bg.decoding,
+                &bg.healthy,
+                &bg.ejected,
+                &bg.kv_usage,
+                &bg.running,
+                &bg.waiting,
+                &bg.index_blocks,
+                &bg.prefix_hit_ratio,
+            ] {
+                let _ = g.remove_label_values(&[name.as_str()]);
+            }
         }
         for b in &fleet.backends {
             let name = [b.name.as_str()];
@@ -640,15 +677,17 @@ impl Metrics {
             bg.ejected
                 .with_label_values(&name)
                 .set(f64::from(u8::from(fleet.is_ejected(b))));
-            let t = &mut last[b.id];
+            let t = BackendTotals::of(&mut last, b);
+            // A reload builds the replica anew, its totals from zero: count from there.
+            let since = |now: f64, before: f64| if now >= before { now - before } else { now };
             bg.in_flight_seconds
                 .with_label_values(&name)
-                .inc_by((l.in_flight_seconds - t.in_flight_seconds).max(0.0));
+                .inc_by(since(l.in_flight_seconds, t.in_flight_seconds));
             t.in_flight_seconds = l.in_flight_seconds;
             let ej = b.ejections.load(std::sync::atomic::Ordering::Relaxed) as f64;
             bg.ejections
                 .with_label_values(&name)
-                .inc_by((ej - t.ejections).max(0.0));
+                .inc_by(since(ej, t.ejections));
             t.ejections = ej;
         }
     }
@@ -707,7 +746,11 @@ impl Metrics {
             .iter()
             .map(|b| {
                 let l = b.load();
-                let g = last.get(b.id).map(|t| t.engine.clone()).unwrap_or_default();
+                let g = last
+                    .get(&b.name)
+                    .filter(|t| t.url == b.url)
+                    .map(|t| t.engine.clone())
+                    .unwrap_or_default();
                 let ratio = self
                     .backend
                     .prefix_hit_ratio
