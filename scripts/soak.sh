@@ -11,6 +11,11 @@
 # (TTFT_MS for a step with prefill, ITL_MS otherwise), so it completes MAX_SEQS / (request time)
 # requests per second; the load is LOAD of that over REPLICAS replicas, Poisson.
 #
+# Tail stability: with REPEAT_EVERY=S the arrival pattern and lengths of the first S seconds repeat
+# for the whole run (each repetition with fresh prompt text, so no cache carries over), so the first
+# and the last windows of S seconds get the same workload and differ only by what the proxy does over
+# time; REPEAT_EVERY=0 (the default) is one Poisson process for the whole run.
+#
 # Memory: the proxy's bounded structures must be full before growth means a leak. The largest is the
 # prefix index, sized by default from each engine's KV capacity (some 29,000 blocks per simulated
 # replica, which this load would take ~40 minutes to fill); INDEX_BLOCKS caps it so it is full within
@@ -27,6 +32,7 @@ KILL_EVERY=${KILL_EVERY:-120}
 ABORTS_PER_S=${ABORTS_PER_S:-2}
 SEED=${SEED:-1}
 INDEX_BLOCKS=${INDEX_BLOCKS:-2048}
+REPEAT_EVERY=${REPEAT_EVERY:-0}
 OUT=${OUT:-results/soak}
 rm -rf "$OUT"
 mkdir -p "$OUT"
@@ -52,9 +58,34 @@ rate = load * n * seqs / request_s
 print(round(mean_out, 1), round(rate, 3), int(rate * duration * 1.1) + 100)
 PY
 )
-head -n "$rows" "$OUT/pool.jsonl" >"$OUT/trace.jsonl"
+if [ "$REPEAT_EVERY" -gt 0 ]; then
+  # The pool's own Poisson timestamps are at 10 req/s: respace the first segment at the soak's rate,
+  # then repeat it with the hash ids moved past every earlier repetition's.
+  python3 - "$OUT/pool.jsonl" "$rate" "$REPEAT_EVERY" "$DURATION" "$SEED" >"$OUT/trace.jsonl" <<'PY'
+import json, random, sys
+path, rate, every, duration, seed = sys.argv[1], float(sys.argv[2]), float(sys.argv[3]), float(sys.argv[4]), int(sys.argv[5])
+rng = random.Random(seed)
+rows, t = [], 0.0
+for line in open(path):
+    r = json.loads(line)
+    if t >= every:
+        break
+    r["timestamp"] = int(t * 1000)
+    rows.append(r)
+    t += rng.expovariate(rate)
+span = 1 + max(i for r in rows for i in r["hash_ids"])
+for k in range(int(duration // every) + 1):
+    for r in rows:
+        c = dict(r, timestamp=r["timestamp"] + int(k * every * 1000), hash_ids=[i + k * span for i in r["hash_ids"]])
+        print(json.dumps(c))
+PY
+  load_flags=(--time-scale 1)
+else
+  head -n "$rows" "$OUT/pool.jsonl" >"$OUT/trace.jsonl"
+  load_flags=(--rate "$rate")
+fi
 rm "$OUT/pool.jsonl"
-echo "soak: $REPLICAS replicas × $MAX_SEQS sequences, mean output $mean_out tokens; $rate req/s (${LOAD} of capacity) for ${DURATION}s" >&2
+echo "soak: $REPLICAS replicas × $MAX_SEQS sequences, mean output $mean_out tokens; $rate req/s (${LOAD} of capacity) for ${DURATION}s; arrivals repeat every ${REPEAT_EVERY}s (0: never)" >&2
 
 # One process per replica, so each can be killed; restarted on the same port.
 sim_flags=(--latency-model constant --time-to-first-token "$TTFT_MS" --inter-token-latency "$ITL_MS"
@@ -129,7 +160,7 @@ if [ "$KILL_EVERY" -gt 0 ]; then
   pids+=($!)
 fi
 
-$bin replay --trace "$OUT/trace.jsonl" --target "$proxy" --rate "$rate" --duration "$DURATION" \
+$bin replay --trace "$OUT/trace.jsonl" --target "$proxy" "${load_flags[@]}" --duration "$DURATION" \
   --seed "$SEED" --timeout 120 --slo ttft=2000,tpot=50 \
   --hardware "headroom sim: $REPLICAS constant-latency replicas (TTFT ${TTFT_MS} ms, ITL ${ITL_MS} ms, ${MAX_SEQS} seqs), behind headroom serve" \
   --out "$OUT" >"$OUT/replay.txt"
