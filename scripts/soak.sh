@@ -115,7 +115,8 @@ wait_line "$OUT/serve.log" "admin http"
 proxy=$(grep -m1 http "$OUT/serve.url")
 admin=$(grep -o 'admin http://[0-9.:]*' "$OUT/serve.log" | cut -d' ' -f2)
 
-start=$(date +%s)
+start_precise=$(date +%s.%N)
+start=${start_precise%.*}
 # The proxy's resident memory every 10 s.
 (
   echo "elapsed_s,rss_kb,index_blocks"
@@ -127,17 +128,34 @@ start=$(date +%s)
 ) >"$OUT/rss.csv" &
 pids+=($!)
 
-# Clients that give up after 0.1–0.9 s (mid-queue or mid-stream).
+# Clients that give up after 0.1–0.9 s (mid-queue or mid-stream), ABORTS_PER_S of them a second on
+# a seeded schedule (with REPEAT_EVERY, the same schedule in every window).
+python3 - "$DURATION" "$ABORTS_PER_S" "$REPEAT_EVERY" "$SEED" >"$OUT/aborts.txt" <<'PY'
+import random, sys
+duration, rate, every, seed = float(sys.argv[1]), float(sys.argv[2]), float(sys.argv[3]), int(sys.argv[4])
+period = every if every > 0 else duration
+rng = random.Random(seed)
+one, t = [], 0.0
+while t < period:
+    one.append((t, rng.randint(1, 9) / 10))
+    t += 1 / rate
+k = 0
+while k * period < duration:
+    for t, timeout in one:
+        if k * period + t < duration:
+            print(f"{k * period + t:.3f} {timeout:.1f}")
+    k += 1
+PY
 (
   body='{"model":"'"$(curl -sf "$proxy/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')"'","prompt":"a client that will not wait","max_tokens":200,"ignore_eos":true,"stream":true}'
   n=0
-  pause=$(python3 -c "print(1 / $ABORTS_PER_S)")
-  while [ $(($(date +%s) - start)) -lt "$DURATION" ]; do
-    curl -s -o /dev/null -m "0.$((RANDOM % 9 + 1))" -H 'content-type: application/json' \
+  while read -r at timeout; do
+    pause=$(awk -v a="$at" -v s="$start_precise" -v now="$(date +%s.%N)" 'BEGIN {d = s + a - now; print (d > 0 ? d : 0)}')
+    sleep "$pause"
+    curl -s -o /dev/null -m "$timeout" -H 'content-type: application/json' \
       -d "$body" "$proxy/v1/completions" &
     n=$((n + 1))
-    sleep "$pause"
-  done
+  done <"$OUT/aborts.txt"
   wait
   echo "$n" >"$OUT/aborting-clients.txt"
 ) &

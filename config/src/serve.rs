@@ -78,6 +78,9 @@ pub struct ServeConfig {
     /// TLS to `https://` backends.
     #[serde(default)]
     pub upstream_tls: UpstreamTlsConfig,
+    /// Prices, for the cost per million tokens in `/stats`.
+    #[serde(default)]
+    pub cost: CostConfig,
 }
 
 /// TLS on the client listener (rustls; TLS 1.2 and 1.3, HTTP/1.1). Both files or neither.
@@ -102,6 +105,17 @@ pub struct UpstreamTlsConfig {
     pub cert: Option<String>,
     /// PEM private key of `cert`.
     pub key: Option<String>,
+}
+
+/// What the fleet costs, in any one currency: `/stats` turns it into a cost per million tokens at
+/// the measured throughput, beside a managed API's price.
+#[derive(Debug, Clone, PartialEq, Default, Deserialize, Serialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct CostConfig {
+    /// Price of one replica for an hour (its GPUs and host).
+    pub replica_hour: Option<f64>,
+    /// A managed API's price per million tokens (prompt and output), for comparison.
+    pub managed_per_million_tokens: Option<f64>,
 }
 
 /// Logging (the format, text or JSON, is the `--log-format` flag, since it applies from the
@@ -728,6 +742,7 @@ impl ServeConfig {
             log: LogConfig::default(),
             tls: TlsConfig::default(),
             upstream_tls: UpstreamTlsConfig::default(),
+            cost: CostConfig::default(),
         }
     }
 
@@ -935,6 +950,25 @@ impl Validate for ServeConfig {
             }
         }
         self.validate_security(p, e);
+        let cp = field_path(p, "cost");
+        for (field, v) in [
+            ("replica_hour", self.cost.replica_hour),
+            (
+                "managed_per_million_tokens",
+                self.cost.managed_per_million_tokens,
+            ),
+        ] {
+            if let Some(v) = v {
+                check(
+                    e,
+                    v.is_finite() && v >= 0.0,
+                    &cp,
+                    field,
+                    v,
+                    "must be a price ≥ 0",
+                );
+            }
+        }
         let up = field_path(p, "upstream_tls");
         let u = &self.upstream_tls;
         for (field, path) in [("ca", &u.ca), ("cert", &u.cert), ("key", &u.key)] {

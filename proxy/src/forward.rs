@@ -546,6 +546,10 @@ impl Headroom {
         if session.write_response_body(None, true).await.is_err() {
             return self.client_gone(&backend);
         }
+        if !is_sse && ctx.status == 200 {
+            // A whole (non-streamed) answer: its tokens reached the client now.
+            guard.first_output();
+        }
         let pool_idle = Duration::from_millis(self.cfg.timeouts.pool_idle_ms);
         self.connector
             .release_http_session(up, &peer, Some(pool_idle))

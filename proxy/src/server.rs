@@ -189,6 +189,7 @@ struct Shared {
 /// What the listeners and the admin endpoints read of the config now serving.
 #[derive(Clone)]
 struct Live {
+    cfg: Arc<ServeConfig>,
     app: Arc<HttpProxy<Headroom>>,
     policy: Arc<dyn RoutingPolicy>,
     fleet: Arc<Fleet>,
@@ -412,6 +413,12 @@ impl Generation {
                 Duration::from_millis(a.lifo_after_ms),
             )
         });
+        if let Some(adm) = &admission {
+            // Configured caps are capacities from the start; derived ones follow each scrape.
+            for (b, (cap, _)) in fleet.backends.iter().zip(adm.slots()) {
+                b.set_capacity(cap);
+            }
+        }
         let (connector, http) = upstream_clients(&cfg)?;
         let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let headroom = Headroom {
@@ -513,6 +520,7 @@ impl Generation {
                         running: g.running,
                     },
                 );
+                b.set_capacity(adm.slots().get(b.id).and_then(|(cap, _)| *cap));
                 let direction = match change {
                     Change::Raised => "raised",
                     Change::Cut => "cut",
@@ -534,8 +542,9 @@ impl Generation {
             stop_rx,
         )));
         Ok(Self {
-            cfg,
+            cfg: cfg.clone(),
             live: Live {
+                cfg,
                 app,
                 policy: index_policy,
                 fleet,
@@ -759,6 +768,7 @@ fn admin_router(
             get(move || {
                 let (metrics, stats) = (stats_metrics.clone(), stats.clone());
                 let Live {
+                    cfg,
                     fleet,
                     admission,
                     kv_index: kv,
@@ -793,9 +803,17 @@ fn admin_router(
                             });
                         }
                     }
+                    let windows = stats.snapshot(std::time::Instant::now());
+                    let cost = crate::telemetry::operator::cost(
+                        &cfg.cost,
+                        fleet.backends.len(),
+                        windows.get("5m").map_or(&[][..], Vec::as_slice),
+                    );
                     axum::Json(serde_json::json!({
-                        "windows": stats.snapshot(std::time::Instant::now()),
+                        "windows": windows,
                         "backends": backends,
+                        "pools": crate::telemetry::operator::pools(&cfg, &fleet),
+                        "cost": cost,
                         "queued": queued,
                     }))
                 }
@@ -806,6 +824,7 @@ fn admin_router(
             get(move || {
                 let metrics = metrics.clone();
                 let Live {
+                    cfg,
                     fleet,
                     admission,
                     kv_index: kv,
@@ -814,6 +833,7 @@ fn admin_router(
                 } = metrics_live.borrow().clone();
                 async move {
                     metrics.refresh(&fleet);
+                    metrics.refresh_pools(&cfg);
                     metrics.refresh_index(&fleet, policy.as_ref());
                     if let Some(kv) = &kv {
                         metrics.refresh_kv_events(

@@ -170,6 +170,33 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     assert_eq!(admission.slots()[0].0, Some(14));
+
+    // The cap is the replica's capacity: after a request, the pool's utilisation is known, and
+    // its cost per million tokens once a price is configured (here it is not).
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", p.addr))
+        .json(&json!({"model": common::MODEL, "prompt": "hello", "max_tokens": 8}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let stats: serde_json::Value = reqwest::get(format!("http://{}/stats", p.admin_addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let pool = &stats["pools"][0];
+    assert_eq!(pool["pool"], "default");
+    let u = pool["utilisation_since_start"]
+        .as_f64()
+        .expect("a utilisation");
+    assert!(u > 0.0 && u <= 1.0, "{u}");
+    assert!(stats["cost"].is_null());
+    let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+    assert!(common::metric_sum(&m, "headroom_backend_capacity_seconds_total") > 0.0);
+    assert!(common::metric_sum(&m, "headroom_backend_capped_in_flight_seconds_total") > 0.0);
+    assert_eq!(common::metric_sum(&m, "headroom_backend_pool"), 1.0);
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }

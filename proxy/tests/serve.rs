@@ -475,3 +475,62 @@ async fn retries_are_budgeted_when_every_replica_fails() {
     assert!(retries >= 20.0, "{retries} retries");
     assert!(common::metric(&m, "headroom_retries_over_budget_total") >= 50.0);
 }
+
+/// A replica that takes `--startup-duration` to come up (its health answers 503 until then): its
+/// cold start in the metrics is that delay, to within the probe interval, and its first served
+/// token comes after.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_starting_replica_shows_its_cold_start() {
+    let delay = 1.5;
+    let replica = common::sim(5, 2, &["--startup-duration", "1.5"]).await;
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", &[replica.url()], "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.health.interval_ms = 25;
+    cfg.scrape.interval_ms = 0;
+    let h = headroom_proxy::start(cfg.validated().unwrap())
+        .await
+        .unwrap();
+    let name = replica.url().trim_start_matches("http://").to_owned();
+    let cold = |m: &str, until: &str| -> Option<f64> {
+        let series =
+            format!("headroom_backend_cold_start_seconds{{backend=\"{name}\",until=\"{until}\"}} ");
+        m.lines()
+            .find_map(|l| l.strip_prefix(&series)?.trim().parse().ok())
+    };
+    let metrics = format!("http://{}/metrics", h.admin_addr);
+    let mut healthy = None;
+    for _ in 0..400 {
+        healthy = cold(&common::get_text(&metrics).await, "healthy");
+        if healthy.is_some() {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(25)).await;
+    }
+    let healthy = healthy.expect("the replica came up");
+    assert!(
+        (healthy - delay).abs() <= 0.1 * delay,
+        "cold start {healthy} s against a configured {delay} s"
+    );
+    let resp = reqwest::Client::new()
+        .post(format!("http://{}/v1/completions", h.addr))
+        .json(&serde_json::json!({"model": common::MODEL, "prompt": "hello", "max_tokens": 2}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 200);
+    let m = common::get_text(&metrics).await;
+    let first_token = cold(&m, "first_token").expect("a token was served");
+    assert!(first_token >= healthy, "{first_token} < {healthy}");
+    let stats: serde_json::Value = reqwest::get(format!("http://{}/stats", h.admin_addr))
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    assert_eq!(
+        stats["backends"][0]["cold_start_s"]["first_token"],
+        first_token
+    );
+    h.shutdown().await;
+    replica.shutdown().await.unwrap();
+}

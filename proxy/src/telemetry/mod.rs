@@ -3,6 +3,7 @@
 //! `stats` keeps the sliding windows behind `/stats`; `capture` writes the trace.
 
 pub mod capture;
+pub mod operator;
 pub mod stats;
 
 use std::sync::Mutex;
@@ -97,6 +98,8 @@ pub struct Metrics {
     /// Clients that went away before their response finished, by backend.
     pub client_aborts: IntCounterVec,
     backend: BackendGauges,
+    /// 1 for each (backend, pool) of the config: joins per-replica series to their pool.
+    backend_pool: FloatGaugeVec,
     last: Mutex<std::collections::HashMap<String, BackendTotals>>,
     /// KV event stream counters, by backend.
     pub kv_events: KvEventCounters,
@@ -133,12 +136,15 @@ struct AdmissionGauges {
 
 #[derive(Debug)]
 struct BackendGauges {
+    cold_start: FloatGaugeVec,
     in_flight: FloatGaugeVec,
     pending_prefill: FloatGaugeVec,
     decoding: FloatGaugeVec,
     healthy: FloatGaugeVec,
     ejected: FloatGaugeVec,
     in_flight_seconds: FloatCounterVec,
+    capacity_seconds: FloatCounterVec,
+    capped_in_flight_seconds: FloatCounterVec,
     ejections: FloatCounterVec,
     kv_usage: FloatGaugeVec,
     running: FloatGaugeVec,
@@ -157,6 +163,8 @@ struct BackendTotals {
     /// whose counters are not continued from this one's.
     url: String,
     in_flight_seconds: f64,
+    capacity_seconds: f64,
+    capped_in_flight_seconds: f64,
     ejections: f64,
     engine: EngineGauges,
 }
@@ -401,6 +409,14 @@ impl Metrics {
                 &["backend"],
             ),
             backend: BackendGauges {
+                cold_start: FloatGaugeVec::new(
+                    Opts::new(
+                        "headroom_backend_cold_start_seconds",
+                        "The replica's latest cold start: from first seen (or seen down) until its first passing health probe (until=\"healthy\") and its first served token (until=\"first_token\").",
+                    ),
+                    &["backend", "until"],
+                )
+                .expect("valid metric"),
                 in_flight: fgauge(
                     "headroom_backend_in_flight",
                     "Requests the proxy has in flight to the replica.",
@@ -424,6 +440,14 @@ impl Metrics {
                 in_flight_seconds: fcounter(
                     "headroom_backend_in_flight_seconds_total",
                     "Integral of in-flight requests over time; its rate is the mean in-flight count.",
+                ),
+                capacity_seconds: fcounter(
+                    "headroom_backend_capacity_seconds_total",
+                    "Integral of the replica's admission cap over time (while one is known); with headroom_backend_capped_in_flight_seconds_total, its utilisation.",
+                ),
+                capped_in_flight_seconds: fcounter(
+                    "headroom_backend_capped_in_flight_seconds_total",
+                    "Integral of in-flight requests over the time a cap is known: rate(this) / rate(capacity_seconds) is the utilisation.",
                 ),
                 ejections: fcounter(
                     "headroom_backend_ejections_total",
@@ -462,6 +486,14 @@ impl Metrics {
                     "Prefix-cache hits over queries between the last two scrapes.",
                 ),
             },
+            backend_pool: FloatGaugeVec::new(
+                Opts::new(
+                    "headroom_backend_pool",
+                    "1 for each replica and the pool it belongs to, for joining per-replica series by pool.",
+                ),
+                &["backend", "pool"],
+            )
+            .expect("valid metric"),
             last: Mutex::new(std::collections::HashMap::new()),
             kv_events: KvEventCounters {
                 batches: counter(
@@ -557,7 +589,10 @@ impl Metrics {
             Box::new(b.decoding.clone()),
             Box::new(b.healthy.clone()),
             Box::new(b.ejected.clone()),
+            Box::new(b.cold_start.clone()),
             Box::new(b.in_flight_seconds.clone()),
+            Box::new(b.capacity_seconds.clone()),
+            Box::new(b.capped_in_flight_seconds.clone()),
             Box::new(b.ejections.clone()),
             Box::new(b.kv_usage.clone()),
             Box::new(b.running.clone()),
@@ -576,6 +611,7 @@ impl Metrics {
             Box::new(m.kv_events.replays.clone()),
             Box::new(m.kv_events.state.clone()),
             Box::new(m.kv_events.blocks.clone()),
+            Box::new(m.backend_pool.clone()),
         ];
         for c in all {
             r.register(c).expect("unique metric names");
@@ -620,6 +656,19 @@ impl Metrics {
         *prev = g.clone();
     }
 
+    /// Which pool each replica is in, as of the config now serving (a reload's changes replace
+    /// the previous pairs).
+    pub fn refresh_pools(&self, cfg: &headroom_config::serve::ServeConfig) {
+        self.backend_pool.reset();
+        for pool in cfg.pool_list() {
+            for b in &pool.backends {
+                self.backend_pool
+                    .with_label_values(&[b.as_str(), pool.name.as_str()])
+                    .set(1.0);
+            }
+        }
+    }
+
     /// Sets each replica's prefix-index size from the policy (history-based policies only).
     pub fn refresh_index(&self, fleet: &Fleet, policy: &dyn crate::routing::RoutingPolicy) {
         for b in &fleet.backends {
@@ -658,6 +707,9 @@ impl Metrics {
             ] {
                 let _ = g.remove_label_values(&[name.as_str()]);
             }
+            for until in ["healthy", "first_token"] {
+                let _ = bg.cold_start.remove_label_values(&[name.as_str(), until]);
+            }
         }
         for b in &fleet.backends {
             let name = [b.name.as_str()];
@@ -677,6 +729,26 @@ impl Metrics {
             bg.ejected
                 .with_label_values(&name)
                 .set(f64::from(u8::from(fleet.is_ejected(b))));
+            let cold = b
+                .cold_start
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            for (until, d) in [
+                ("healthy", cold.healthy_after()),
+                ("first_token", cold.first_token_after()),
+            ] {
+                match d {
+                    Some(d) => bg
+                        .cold_start
+                        .with_label_values(&[b.name.as_str(), until])
+                        .set(d.as_secs_f64()),
+                    // A cold start in progress: no value yet, rather than the previous one's.
+                    None => {
+                        let _ = bg.cold_start.remove_label_values(&[b.name.as_str(), until]);
+                    }
+                }
+            }
             let t = BackendTotals::of(&mut last, b);
             // A reload builds the replica anew, its totals from zero: count from there.
             let since = |now: f64, before: f64| if now >= before { now - before } else { now };
@@ -684,6 +756,17 @@ impl Metrics {
                 .with_label_values(&name)
                 .inc_by(since(l.in_flight_seconds, t.in_flight_seconds));
             t.in_flight_seconds = l.in_flight_seconds;
+            bg.capacity_seconds
+                .with_label_values(&name)
+                .inc_by(since(l.capacity_seconds, t.capacity_seconds));
+            t.capacity_seconds = l.capacity_seconds;
+            bg.capped_in_flight_seconds
+                .with_label_values(&name)
+                .inc_by(since(
+                    l.capped_in_flight_seconds,
+                    t.capped_in_flight_seconds,
+                ));
+            t.capped_in_flight_seconds = l.capped_in_flight_seconds;
             let ej = b.ejections.load(std::sync::atomic::Ordering::Relaxed) as f64;
             bg.ejections
                 .with_label_values(&name)
@@ -746,6 +829,11 @@ impl Metrics {
             .iter()
             .map(|b| {
                 let l = b.load();
+                let cold = b
+                    .cold_start
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .clone();
                 let g = last
                     .get(&b.name)
                     .filter(|t| t.url == b.url)
@@ -765,6 +853,10 @@ impl Metrics {
                     "in_flight": l.in_flight,
                     "pending_prefill_tokens": l.pending_prefill_tokens,
                     "decoding": l.decoding,
+                    "cold_start_s": {
+                        "healthy": cold.healthy_after().map(|d| d.as_secs_f64()),
+                        "first_token": cold.first_token_after().map(|d| d.as_secs_f64()),
+                    },
                     "engine": {
                         "kv_cache_usage": g.kv_usage,
                         "requests_running": g.running,

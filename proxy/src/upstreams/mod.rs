@@ -7,6 +7,7 @@
 //! errors, resets, 5xx; a 4xx is the client's fault and never counts), unless that would eject more
 //! than `max_ejected_fraction` of the fleet. Routing sees a replica as healthy when both agree.
 
+pub mod cold_start;
 pub mod health;
 pub mod kv_events;
 
@@ -48,6 +49,8 @@ pub struct Backend {
     request_fails: AtomicU32,
     /// Milliseconds since the fleet's epoch until which the replica is ejected (0: not ejected).
     ejected_until_ms: AtomicU64,
+    /// The replica's latest cold start (first seen or down → first healthy probe, first token).
+    pub cold_start: Mutex<cold_start::ColdStart>,
     /// Times this replica was ejected.
     pub ejections: AtomicU64,
     load: Mutex<Load>,
@@ -66,6 +69,11 @@ struct Load {
     decoding: u32,
     since: Instant,
     in_flight_seconds: f64,
+    /// The admission cap now (the replica's capacity in sequences), when one is known.
+    capacity: Option<u32>,
+    /// ∫ capacity dt, and ∫ in-flight dt over the same time (while a capacity is known).
+    capacity_seconds: f64,
+    capped_in_flight_seconds: f64,
 }
 
 /// What the last scrape of a replica found.
@@ -105,6 +113,10 @@ pub struct LoadReading {
     pub decoding: u32,
     /// ∫ in-flight dt since start, in request-seconds.
     pub in_flight_seconds: f64,
+    /// ∫ capacity dt while a capacity (the admission cap) is known, in sequence-seconds.
+    pub capacity_seconds: f64,
+    /// ∫ in-flight dt over the same time: over `capacity_seconds`, the replica's utilisation.
+    pub capped_in_flight_seconds: f64,
 }
 
 impl Backend {
@@ -161,6 +173,7 @@ impl Backend {
             authorization,
             authority,
             tls_host: cfg.tls().then(|| cfg.host().to_owned()),
+            cold_start: Mutex::new(cold_start::ColdStart::new(Instant::now())),
             probe_healthy: AtomicBool::new(addr.is_some()),
             addr: Mutex::new(addr),
             probe_fails: AtomicU32::new(0),
@@ -174,6 +187,9 @@ impl Backend {
                 decoding: 0,
                 since: Instant::now(),
                 in_flight_seconds: 0.0,
+                capacity: None,
+                capacity_seconds: 0.0,
+                capped_in_flight_seconds: 0.0,
             }),
             engine: Mutex::new(Scraped::default()),
             models: Mutex::new(None),
@@ -183,7 +199,12 @@ impl Backend {
     fn with_load<R>(&self, f: impl FnOnce(&mut Load) -> R) -> R {
         let mut l = self.load.lock().unwrap_or_else(|e| e.into_inner());
         let now = Instant::now();
-        l.in_flight_seconds += f64::from(l.in_flight) * (now - l.since).as_secs_f64();
+        let dt = (now - l.since).as_secs_f64();
+        l.in_flight_seconds += f64::from(l.in_flight) * dt;
+        if let Some(cap) = l.capacity {
+            l.capacity_seconds += f64::from(cap) * dt;
+            l.capped_in_flight_seconds += f64::from(l.in_flight) * dt;
+        }
         l.since = now;
         f(&mut l)
     }
@@ -195,7 +216,15 @@ impl Backend {
             pending_prefill_tokens: l.pending_prefill_tokens,
             decoding: l.decoding,
             in_flight_seconds: l.in_flight_seconds,
+            capacity_seconds: l.capacity_seconds,
+            capped_in_flight_seconds: l.capped_in_flight_seconds,
         })
+    }
+
+    /// Sets the replica's capacity in sequences (its admission cap; None: unknown or unlimited),
+    /// integrated over time for its utilisation.
+    pub fn set_capacity(&self, capacity: Option<u32>) {
+        self.with_load(|l| l.capacity = capacity);
     }
 
     /// Records the models the replica serves.
@@ -244,6 +273,11 @@ impl InFlight {
             return;
         }
         let pending = std::mem::take(&mut self.pending_prefill_tokens);
+        self.backend
+            .cold_start
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .token_served(Instant::now());
         self.backend.with_load(|l| {
             l.pending_prefill_tokens -= pending;
             l.decoding += 1;
@@ -363,6 +397,10 @@ impl Fleet {
 
     /// Records one active probe of `b`.
     pub fn probe_result(&self, b: &Backend, passed: bool) {
+        b.cold_start
+            .lock()
+            .unwrap_or_else(|e| e.into_inner())
+            .probe(passed, Instant::now());
         if passed {
             b.probe_fails.store(0, Ordering::Relaxed);
             let passes = b.probe_passes.fetch_add(1, Ordering::Relaxed) + 1;
