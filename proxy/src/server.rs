@@ -762,6 +762,7 @@ fn admin_router(
 ) -> Router {
     let (ready_live, metrics_live) = (live.clone(), live.clone());
     let stats_metrics = metrics.clone();
+    let metrics_stats = stats.clone();
     Router::new()
         .route(
             "/stats",
@@ -822,7 +823,7 @@ fn admin_router(
         .route(
             "/metrics",
             get(move || {
-                let metrics = metrics.clone();
+                let (metrics, stats) = (metrics.clone(), metrics_stats.clone());
                 let Live {
                     cfg,
                     fleet,
@@ -834,6 +835,12 @@ fn admin_router(
                 async move {
                     metrics.refresh(&fleet);
                     metrics.refresh_pools(&cfg);
+                    let windows = stats.snapshot(std::time::Instant::now());
+                    metrics.refresh_cost(crate::telemetry::operator::cost(
+                        &cfg.cost,
+                        fleet.backends.len(),
+                        windows.get("5m").map_or(&[][..], Vec::as_slice),
+                    ));
                     metrics.refresh_index(&fleet, policy.as_ref());
                     if let Some(kv) = &kv {
                         metrics.refresh_kv_events(

@@ -157,6 +157,7 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     cfg.admin_listen = "127.0.0.1:0".into();
     cfg.scrape.interval_ms = 50;
     cfg.admission.context_tokens = 1000;
+    cfg.cost.replica_hour = Some(2.0);
     let p = headroom_proxy::start(cfg.validated().unwrap())
         .await
         .unwrap();
@@ -172,7 +173,7 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     assert_eq!(admission.slots()[0].0, Some(14));
 
     // The cap is the replica's capacity: after a request, the pool's utilisation is known, and
-    // its cost per million tokens once a price is configured (here it is not).
+    // with a price per replica-hour, what a million tokens cost at the measured throughput.
     let resp = reqwest::Client::new()
         .post(format!("http://{}/v1/completions", p.addr))
         .json(&json!({"model": common::MODEL, "prompt": "hello", "max_tokens": 8}))
@@ -192,11 +193,15 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
         .as_f64()
         .expect("a utilisation");
     assert!(u > 0.0 && u <= 1.0, "{u}");
-    assert!(stats["cost"].is_null());
+    let per_million = stats["cost"]["per_million_tokens"]
+        .as_f64()
+        .expect("a cost");
+    assert!(per_million > 0.0, "{}", stats["cost"]);
     let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
     assert!(common::metric_sum(&m, "headroom_backend_capacity_seconds_total") > 0.0);
     assert!(common::metric_sum(&m, "headroom_backend_capped_in_flight_seconds_total") > 0.0);
     assert_eq!(common::metric_sum(&m, "headroom_backend_pool"), 1.0);
+    assert!(common::metric_sum(&m, "headroom_cost_per_million_tokens") > 0.0);
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }

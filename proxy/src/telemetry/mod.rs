@@ -100,6 +100,8 @@ pub struct Metrics {
     backend: BackendGauges,
     /// 1 for each (backend, pool) of the config: joins per-replica series to their pool.
     backend_pool: FloatGaugeVec,
+    /// Cost per million tokens at the 5-minute throughput, by which tokens.
+    cost: FloatGaugeVec,
     last: Mutex<std::collections::HashMap<String, BackendTotals>>,
     /// KV event stream counters, by backend.
     pub kv_events: KvEventCounters,
@@ -494,6 +496,14 @@ impl Metrics {
                 &["backend", "pool"],
             )
             .expect("valid metric"),
+            cost: FloatGaugeVec::new(
+                Opts::new(
+                    "headroom_cost_per_million_tokens",
+                    "What a million tokens cost at the last 5 minutes' throughput, from [cost] replica_hour (tokens=\"output\" or \"all\": prompt and output).",
+                ),
+                &["tokens"],
+            )
+            .expect("valid metric"),
             last: Mutex::new(std::collections::HashMap::new()),
             kv_events: KvEventCounters {
                 batches: counter(
@@ -612,6 +622,7 @@ impl Metrics {
             Box::new(m.kv_events.state.clone()),
             Box::new(m.kv_events.blocks.clone()),
             Box::new(m.backend_pool.clone()),
+            Box::new(m.cost.clone()),
         ];
         for c in all {
             r.register(c).expect("unique metric names");
@@ -665,6 +676,20 @@ impl Metrics {
                 self.backend_pool
                     .with_label_values(&[b.as_str(), pool.name.as_str()])
                     .set(1.0);
+            }
+        }
+    }
+
+    /// The cost gauges from `/stats`' cost (absent while no price is set or nothing was served).
+    pub fn refresh_cost(&self, cost: Option<serde_json::Value>) {
+        self.cost.reset();
+        let Some(cost) = cost else { return };
+        for (tokens, key) in [
+            ("output", "per_million_output_tokens"),
+            ("all", "per_million_tokens"),
+        ] {
+            if let Some(v) = cost[key].as_f64() {
+                self.cost.with_label_values(&[tokens]).set(v);
             }
         }
     }
