@@ -303,8 +303,12 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
         .await
         .unwrap();
     assert_eq!(backend_of(offline), "b");
-    // Two batch requests at once: the second borrows the idle interactive replica.
+    // Two batch requests at once: the second borrows the idle interactive replica. (The client
+    // has every byte of the last answer a moment before the proxy releases its permit.)
     let admission = p.admission().unwrap();
+    while admission.slots().iter().any(|(_, held)| *held > 0) {
+        tokio::task::yield_now().await;
+    }
     let (x, y) = tokio::join!(ask(Some("batch"), 5, 40), async {
         // Once the first holds b's only slot.
         while admission.slots()[1].1 == 0 {
