@@ -557,7 +557,10 @@ fn unanswered(d: &Value) -> u64 {
 
 /// Requests that failed other than by being refused: errors, cut streams, no answer.
 fn failed(d: &Value) -> u64 {
-    d["summary"]["failed"].as_u64().unwrap_or(0) - refused(d)
+    d["summary"]["failed"]
+        .as_u64()
+        .unwrap_or(0)
+        .saturating_sub(refused(d))
 }
 
 /// One row of the comparison, as cells.

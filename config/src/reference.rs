@@ -154,35 +154,21 @@ fn table(rows: &[(String, Value)], defs: &Value, required: Vec<&str>) -> String 
 
 fn type_name(prop: &Value, defs: &Value) -> String {
     let one = |t: &str| match t {
-        "integer" => "integer".to_owned(),
-        "number" => "number".to_owned(),
-        "string" => "string".to_owned(),
-        "boolean" => "boolean".to_owned(),
+        "array" => format!("list of {}", type_name(&prop["items"], defs)),
+        "object" => "table".to_owned(),
         other => other.to_owned(),
     };
     match &prop["type"] {
-        Value::String(t) if t == "array" => format!("list of {}", type_name(&prop["items"], defs)),
-        Value::String(t) if t == "object" => "table".to_owned(),
         Value::String(t) => one(t),
-        Value::Array(ts) => {
-            let names: Vec<String> = ts
-                .iter()
-                .filter_map(Value::as_str)
-                .filter(|t| *t != "null")
-                .map(|t| {
-                    if t == "array" {
-                        format!("list of {}", type_name(&prop["items"], defs))
-                    } else {
-                        one(t)
-                    }
-                })
-                .collect();
-            names.join(" or ")
-        }
-        _ => match deref(prop, defs) {
-            Some(_) => "table".to_owned(),
-            None => "value".to_owned(),
-        },
+        Value::Array(ts) => ts
+            .iter()
+            .filter_map(Value::as_str)
+            .filter(|t| *t != "null")
+            .map(one)
+            .collect::<Vec<_>>()
+            .join(" or "),
+        _ if deref(prop, defs).is_some() => "table".to_owned(),
+        _ => "value".to_owned(),
     }
 }
 

@@ -805,11 +805,8 @@ fn admin_router(
                         }
                     }
                     let windows = stats.snapshot(std::time::Instant::now());
-                    let cost = crate::telemetry::operator::cost(
-                        &cfg.cost,
-                        fleet.backends.len(),
-                        windows.get("5m").map_or(&[][..], Vec::as_slice),
-                    );
+                    let cost =
+                        crate::telemetry::operator::cost(&cfg.cost, fleet.backends.len(), &windows);
                     axum::Json(serde_json::json!({
                         "windows": windows,
                         "backends": backends,
@@ -835,12 +832,12 @@ fn admin_router(
                 async move {
                     metrics.refresh(&fleet);
                     metrics.refresh_pools(&cfg);
-                    let windows = stats.snapshot(std::time::Instant::now());
-                    metrics.refresh_cost(crate::telemetry::operator::cost(
-                        &cfg.cost,
-                        fleet.backends.len(),
-                        windows.get("5m").map_or(&[][..], Vec::as_slice),
-                    ));
+                    // The windows are merged only when there is a price to put on them.
+                    let cost = cfg.cost.replica_hour.and_then(|_| {
+                        let windows = stats.snapshot(std::time::Instant::now());
+                        crate::telemetry::operator::cost(&cfg.cost, fleet.backends.len(), &windows)
+                    });
+                    metrics.refresh_cost(cost);
                     metrics.refresh_index(&fleet, policy.as_ref());
                     if let Some(kv) = &kv {
                         metrics.refresh_kv_events(

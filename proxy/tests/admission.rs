@@ -181,12 +181,7 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    let stats: serde_json::Value = reqwest::get(format!("http://{}/stats", p.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = common::stats(&p).await;
     let pool = &stats["pools"][0];
     assert_eq!(pool["pool"], "default");
     let u = pool["utilisation_since_start"]
@@ -317,12 +312,7 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
         ask(Some("batch"), 5, 2).await
     });
     assert_eq!((x.as_str(), y.as_str()), ("b", "a"));
-    let stats: serde_json::Value = reqwest::get(format!("http://{}/stats", p.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = common::stats(&p).await;
     let pools: std::collections::BTreeSet<String> = stats["windows"]["5m"]
         .as_array()
         .unwrap()

@@ -7,7 +7,6 @@ use std::sync::Arc;
 use common::{options, proxy, read_capture, sim, temp_dir};
 use headroom_loadtest::replay::{Counters, run};
 use headroom_workload::trace::TraceRecord;
-use serde_json::Value;
 
 mod common;
 
@@ -80,12 +79,7 @@ async fn the_proxy_and_the_client_agree_on_every_request() {
         );
         assert!((c - x).abs() <= 0.03 * c, "TPOT p{q}: client {c} proxy {x}");
     }
-    let stats: Value = reqwest::get(format!("http://{}/stats", p.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = common::stats(&p).await;
     let window = &stats["windows"]["1m"][0];
     assert_eq!(window["requests"], 60);
     assert_eq!(window["good"], 60);

@@ -91,12 +91,7 @@ async fn complete(base: &str, prompt: &str) -> String {
 }
 
 async fn kv_stats(h: &ServeHandle) -> Vec<Value> {
-    let s: Value = reqwest::get(format!("http://{}/stats", h.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let s = common::stats(h).await;
     s["backends"]
         .as_array()
         .unwrap()

@@ -271,12 +271,7 @@ async fn the_tls_listener_serves_https_and_tells_the_engine() {
 
 /// `/stats`' view of the first replica's health.
 async fn first_backend_healthy(h: &ServeHandle) -> bool {
-    let stats: Value = reqwest::get(format!("http://{}/stats", h.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = common::stats(h).await;
     stats["backends"][0]["healthy"].as_bool().unwrap()
 }
 

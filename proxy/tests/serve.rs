@@ -521,12 +521,7 @@ async fn a_slow_starting_replica_shows_its_cold_start() {
     let m = common::get_text(&metrics).await;
     let first_token = cold(&m, "first_token").expect("a token was served");
     assert!(first_token >= healthy, "{first_token} < {healthy}");
-    let stats: serde_json::Value = reqwest::get(format!("http://{}/stats", h.admin_addr))
-        .await
-        .unwrap()
-        .json()
-        .await
-        .unwrap();
+    let stats = common::stats(&h).await;
     assert_eq!(
         stats["backends"][0]["cold_start_s"]["first_token"],
         first_token

@@ -15,6 +15,8 @@
 //! | `tokens_per_s` | the `/stats` 5-minute window, every pool and class |
 //! | `replica_hour`, `managed_per_million_tokens` | `[cost]` in the config (any one currency) |
 
+use std::collections::BTreeMap;
+
 use headroom_config::serve::{CostConfig, ServeConfig};
 use serde_json::{Value, json};
 
@@ -48,9 +50,17 @@ pub fn pools(cfg: &ServeConfig, fleet: &Fleet) -> Vec<Value> {
         .collect()
 }
 
-/// The cost of the measured throughput, when `[cost] replica_hour` is set.
-pub fn cost(cost: &CostConfig, replicas: usize, window: &[WindowStats]) -> Option<Value> {
+/// The `/stats` window the throughput is read from.
+const COST_WINDOW: &str = "5m";
+
+/// The cost of the throughput in the `/stats` windows, when `[cost] replica_hour` is set.
+pub fn cost(
+    cost: &CostConfig,
+    replicas: usize,
+    windows: &BTreeMap<&'static str, Vec<WindowStats>>,
+) -> Option<Value> {
     let replica_hour = cost.replica_hour?;
+    let window = windows.get(COST_WINDOW).map_or(&[][..], Vec::as_slice);
     let output: f64 = window.iter().map(|w| w.output_tokens_per_s).sum();
     let prompt: f64 = window.iter().map(|w| w.prompt_tokens_per_s).sum();
     let per_hour = replicas as f64 * replica_hour;
@@ -61,7 +71,7 @@ pub fn cost(cost: &CostConfig, replicas: usize, window: &[WindowStats]) -> Optio
         "replicas": replicas,
         "replica_hour": replica_hour,
         "per_hour": per_hour,
-        "window": "5m",
+        "window": COST_WINDOW,
         "output_tokens_per_s": output,
         "prompt_tokens_per_s": prompt,
         "per_million_output_tokens": per_million(output),
@@ -101,14 +111,20 @@ mod tests {
             managed_per_million_tokens: Some(1.0),
         };
         // 4 replicas at 2 an hour = 8 an hour; 1,000 output + 3,000 prompt tokens/s = 14.4 M/h.
-        let c = cost(&cfg, 4, &[window(600.0, 2000.0), window(400.0, 1000.0)]).unwrap();
+        let windows = |w: Vec<WindowStats>| BTreeMap::from([(COST_WINDOW, w)]);
+        let c = cost(
+            &cfg,
+            4,
+            &windows(vec![window(600.0, 2000.0), window(400.0, 1000.0)]),
+        )
+        .unwrap();
         let near = |v: &Value, x: f64| (v.as_f64().unwrap() - x).abs() < 1e-9;
         assert!(near(&c["per_hour"], 8.0));
         assert!(near(&c["per_million_output_tokens"], 8.0 / 3.6));
         assert!(near(&c["per_million_tokens"], 8.0 / 14.4));
         assert!(near(&c["vs_managed"], 8.0 / 14.4));
         // No throughput yet: no cost per token, and no config: nothing.
-        assert!(cost(&cfg, 4, &[]).unwrap()["per_million_tokens"].is_null());
-        assert!(cost(&CostConfig::default(), 4, &[window(1.0, 1.0)]).is_none());
+        assert!(cost(&cfg, 4, &windows(vec![])).unwrap()["per_million_tokens"].is_null());
+        assert!(cost(&CostConfig::default(), 4, &windows(vec![window(1.0, 1.0)])).is_none());
     }
 }

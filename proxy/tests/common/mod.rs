@@ -68,6 +68,16 @@ pub async fn get_text(url: &str) -> String {
         .expect("a text body")
 }
 
+/// The proxy's `/stats`.
+pub async fn stats(h: &ServeHandle) -> serde_json::Value {
+    reqwest::get(format!("http://{}/stats", h.admin_addr))
+        .await
+        .expect("the GET is answered")
+        .json()
+        .await
+        .expect("a JSON body")
+}
+
 /// The model the simulator serves.
 pub const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
