@@ -76,11 +76,18 @@ fn section_of<'a>(prop: &'a Value, defs: &'a Value) -> Option<(Kind, &'a Value)>
     None
 }
 
-/// The definition a `$ref` (possibly wrapped in `allOf`) points at.
+/// The definition a `$ref` (possibly wrapped in `allOf`, or in `anyOf` with null: an optional
+/// table) points at.
 fn deref<'a>(v: &'a Value, defs: &'a Value) -> Option<&'a Value> {
     let r = v
         .get("$ref")
-        .or_else(|| v.get("allOf").and_then(|a| a.get(0)?.get("$ref")))?
+        .or_else(|| v.get("allOf").and_then(|a| a.get(0)?.get("$ref")))
+        .or_else(|| {
+            v.get("anyOf")?
+                .as_array()?
+                .iter()
+                .find_map(|x| x.get("$ref"))
+        })?
         .as_str()?;
     defs.get(r.strip_prefix("#/$defs/")?)
 }

@@ -270,10 +270,55 @@ pub struct PoolConfig {
     /// cap, so the owner keeps a reserved floor.
     #[serde(default = "default_borrow_below")]
     pub borrow_below: f64,
+    /// Mirror a share of this pool's requests to a candidate pool (the client only ever gets this
+    /// pool's answer).
+    #[serde(default)]
+    pub shadow: Option<ShadowConfig>,
 }
 
 fn default_borrow_below() -> f64 {
     0.5
+}
+
+/// Live shadowing of a pool's traffic to a candidate pool: the copies are sent off the request
+/// path, bounded, measured with `shadow="true"`, compared with the primary's output when sampling
+/// is deterministic, and discarded.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields)]
+pub struct ShadowConfig {
+    /// The candidate pool that receives the copies (it serves no class of its own).
+    pub pool: String,
+    /// Share of requests mirrored, in (0, 1]; chosen by request id, so proxies agree.
+    #[serde(default = "default_shadow_fraction")]
+    pub fraction: f64,
+    /// Copies in flight at once.
+    #[serde(default = "default_shadow_in_flight")]
+    pub max_in_flight: u32,
+    /// Copies waiting for a slot; one more is dropped (`busy`).
+    #[serde(default = "default_shadow_in_flight")]
+    pub max_queue: u32,
+    /// A copy that waited this long for a slot is dropped (`late`), ms.
+    #[serde(default = "default_shadow_wait_ms")]
+    pub max_wait_ms: u64,
+    /// Compare the outputs of requests with deterministic sampling (temperature 0 or a seed).
+    #[serde(default = "default_true")]
+    pub compare: bool,
+}
+
+fn default_shadow_fraction() -> f64 {
+    1.0
+}
+
+fn default_shadow_in_flight() -> u32 {
+    64
+}
+
+fn default_shadow_wait_ms() -> u64 {
+    1_000
+}
+
+fn default_true() -> bool {
+    true
 }
 
 /// One replica.
@@ -758,6 +803,7 @@ impl ServeConfig {
                     .collect(),
                 borrow: Vec::new(),
                 borrow_below: default_borrow_below(),
+                shadow: None,
             }]
         } else {
             self.pools.clone()
@@ -1397,6 +1443,63 @@ impl Validate for ServeConfig {
                 pool.borrow_below,
                 "must be in (0, 1]",
             );
+            if let Some(s) = &pool.shadow {
+                let sp = field_path(&pp, "shadow");
+                let target = self.pools.iter().find(|o| o.name == s.pool);
+                check(
+                    e,
+                    target.is_some() && s.pool != pool.name,
+                    &sp,
+                    "pool",
+                    &s.pool,
+                    "must name another pool",
+                );
+                check(
+                    e,
+                    target.is_none_or(|t| t.shadow.is_none()),
+                    &sp,
+                    "pool",
+                    &s.pool,
+                    "a shadow pool does not shadow in turn",
+                );
+                check(
+                    e,
+                    s.fraction > 0.0 && s.fraction <= 1.0,
+                    &sp,
+                    "fraction",
+                    s.fraction,
+                    "must be in (0, 1]",
+                );
+                check(
+                    e,
+                    s.max_in_flight >= 1,
+                    &sp,
+                    "max_in_flight",
+                    s.max_in_flight,
+                    "at least 1",
+                );
+            }
+        }
+        let shadow_pools: Vec<&str> = self
+            .pools
+            .iter()
+            .filter_map(|p| p.shadow.as_ref().map(|s| s.pool.as_str()))
+            .collect();
+        for (i, pool) in self.pools.iter().enumerate() {
+            for b in pool
+                .borrow
+                .iter()
+                .filter(|b| shadow_pools.contains(&b.as_str()))
+            {
+                check(
+                    e,
+                    false,
+                    &field_path(p, &format!("pools[{i}]")),
+                    "borrow",
+                    b,
+                    "is a shadow pool: its replicas serve no client",
+                );
+            }
         }
         for name in self.classes.keys() {
             let pool = self.pool_of(name);
@@ -1407,6 +1510,14 @@ impl Validate for ServeConfig {
                 "pool",
                 &pool,
                 &format!("must name a pool ({})", pool_names.join(", ")),
+            );
+            check(
+                e,
+                !shadow_pools.contains(&pool.as_str()),
+                &field_path(p, &format!("classes.{name}")),
+                "pool",
+                &pool,
+                "is a shadow pool: it serves no class",
             );
         }
         let c = &self.capture;
@@ -1656,6 +1767,22 @@ pool = "nowhere"
         )
         .unwrap();
         assert_eq!(ok.pool_of("default"), "default");
+        let shadowed = "[[backends]]\nurl = \"http://127.0.0.1:8001\"\n[[backends]]\nurl = \"http://127.0.0.1:8002\"\n\
+            [[pools]]\nname = \"live\"\nbackends = [\"127.0.0.1:8001\"]\nborrow = [\"candidate\"]\n\
+            shadow = { pool = \"candidate\", fraction = 1.5 }\n\
+            [[pools]]\nname = \"candidate\"\nbackends = [\"127.0.0.1:8002\"]\nshadow = { pool = \"live\" }\n\
+            [classes.default]\npool = \"live\"\n[classes.other]\npool = \"candidate\"\n";
+        let err = parse_toml::<ServeConfig>(shadowed, Path::new("x"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "pools[0].shadow.fraction = 1.5: must be in (0, 1]",
+            "pools[0].shadow.pool = candidate: a shadow pool does not shadow in turn",
+            "pools[0].borrow = candidate: is a shadow pool",
+            "classes.other.pool = candidate: is a shadow pool",
+        ] {
+            assert!(err.contains(want), "{want}\n{err}");
+        }
         assert_eq!(
             ok.pool_list()[0].backends,
             vec!["127.0.0.1:8001".to_owned()]

@@ -171,6 +171,7 @@ mod tests {
             prompt_tokens: 10,
             output_length: 5,
             completion_tokens: 5,
+            output: None,
         }
     }
 

@@ -419,8 +419,10 @@ pub fn compare(a: &Value, b: &Value) -> (String, Value) {
         ("req/s", &["request_throughput"]),
         ("output tok/s", &["output_token_throughput"]),
         ("TTFT p50 ms", &["ttft", "p50_ms"]),
+        ("TTFT p95 ms", &["ttft", "p95_ms"]),
         ("TTFT p99 ms", &["ttft", "p99_ms"]),
         ("TPOT p50 ms", &["tpot", "p50_ms"]),
+        ("TPOT p95 ms", &["tpot", "p95_ms"]),
         ("TPOT p99 ms", &["tpot", "p99_ms"]),
         ("ITL p99 ms", &["itl", "p99_ms"]),
         ("E2EL p99 ms", &["e2el", "p99_ms"]),
@@ -437,19 +439,36 @@ pub fn compare(a: &Value, b: &Value) -> (String, Value) {
         if x.is_none() && y.is_none() {
             continue;
         }
-        let delta = match (x, y) {
-            (Some(x), Some(y)) if x != 0.0 => format!("{:+.1}%", 100.0 * (y - x) / x),
-            _ => "-".into(),
-        };
-        let f = |v: Option<f64>| v.map_or_else(|| "-".into(), |v| format!("{v:.2}"));
+        let delta = crate::compare::delta(x, y);
         out.push_str(&format!(
             "{name:<14} {:>12} {:>12} {delta:>10}\n",
-            f(x),
-            f(y)
+            crate::compare::num(x),
+            crate::compare::num(y)
         ));
         rows.push(json!({"metric": name, "a": x, "b": y, "delta": delta}));
     }
-    (out, json!({"contract_differences": diffs, "rows": rows}))
+    let rows_of = |doc: &Value| -> Vec<RequestRow> {
+        serde_json::from_value(doc["requests"].clone()).unwrap_or_default()
+    };
+    // The salt may differ for a speed comparison, not for an output one: other prompts, other
+    // answers.
+    let same_prompts = a["contract"]["prompt_salt"] == b["contract"]["prompt_salt"];
+    let agreement = same_prompts
+        .then(|| crate::compare::runs_agreement(&rows_of(a), &rows_of(b)))
+        .flatten();
+    match &agreement {
+        Some(g) => out.push_str(&g.text()),
+        None if !same_prompts => out.push_str(
+            "Output agreement: not comparable: the runs rendered different prompts (their prompt_salt differs); replay both with the same --prompt-salt.\n",
+        ),
+        None => out.push_str(
+            "Output agreement: not known (a run without output fingerprints, replayed by an older headroom).\n",
+        ),
+    }
+    (
+        out,
+        json!({"contract_differences": diffs, "rows": rows, "agreement": agreement}),
+    )
 }
 
 #[cfg(test)]

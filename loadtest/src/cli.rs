@@ -130,6 +130,16 @@ pub fn read_trace(path: &Path, format: Option<SourceFormat>) -> anyhow::Result<V
         SourceFormat::Burstgpt => trace::import_burstgpt(open()?),
     }
     .with_context(|| format!("reading trace {}", path.display()))?;
+    // A capture's shadow records are copies of requests already in it, not traffic.
+    let all = records.len();
+    let records: Vec<TraceRecord> = records.into_iter().filter(|r| r.shadow.is_none()).collect();
+    if records.len() < all {
+        eprintln!(
+            "{}: left out {} shadow records (copies sent to a candidate pool; `headroom report compare` reads them)",
+            path.display(),
+            all - records.len()
+        );
+    }
     if records.is_empty() {
         bail!("trace {} holds no requests", path.display());
     }
@@ -962,10 +972,11 @@ pub struct TailArgs {
 /// Flags of `headroom report compare`.
 #[derive(Debug, Args)]
 pub struct CompareArgs {
-    /// Baseline result.json.
+    /// Baseline result.json; or, alone, a proxy capture holding shadow records (primary vs
+    /// shadow answers to the same requests).
     pub a: PathBuf,
     /// Candidate result.json.
-    pub b: PathBuf,
+    pub b: Option<PathBuf>,
 }
 
 /// Flags of `headroom report merge`.
@@ -1031,7 +1042,25 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             eprintln!("headroom report tail: written to {}", a.out.display());
         }
         ReportCommand::Compare(a) => {
-            let (text, _) = analysis::compare(&read_json(&a.a)?, &read_json(&a.b)?);
+            let text = match &a.b {
+                Some(b) => analysis::compare(&read_json(&a.a)?, &read_json(b)?).0,
+                None => {
+                    let file = std::fs::File::open(&a.a)
+                        .with_context(|| format!("opening {}", a.a.display()))?;
+                    let records =
+                        headroom_workload::trace::read_jsonl(std::io::BufReader::new(file))
+                            .with_context(|| {
+                                format!("{} is not a headroom trace", a.a.display())
+                            })?;
+                    let Some(c) = crate::compare::shadow_comparison(&records) else {
+                        bail!(
+                            "{} holds no shadow records: give two result.json files to compare two runs, or a capture from a proxy whose pool shadows ([pools.shadow])",
+                            a.a.display()
+                        );
+                    };
+                    crate::compare::shadow_text(&c).0
+                }
+            };
             print!("{text}");
         }
         ReportCommand::Merge(a) => {

@@ -75,6 +75,8 @@ pub struct Timing {
     pub completion_tokens: u64,
     /// The URL it was sent to.
     pub target: String,
+    /// The output's fingerprint (hashes, never the text), for output agreement between runs.
+    pub output: Option<headroom_workload::digest::Fingerprint>,
 }
 
 impl Timing {
@@ -138,6 +140,7 @@ pub async fn send_streaming_with(
     let mut last: Option<Instant> = None;
     let mut messages = 0u64;
     let mut done = false;
+    let mut digest = headroom_workload::digest::OutputDigest::new();
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
@@ -166,6 +169,10 @@ pub async fn send_streaming_with(
                     .unwrap_or(t.completion_tokens);
             }
             if has_choices(&v) {
+                let text = headroom_workload::digest::choice_text(&v["choices"][0]);
+                if !text.is_empty() {
+                    digest.event(&text);
+                }
                 messages += 1;
                 match last {
                     None => t.ttft = Some(now - start),
@@ -181,6 +188,9 @@ pub async fn send_streaming_with(
     }
     if t.failure.is_none() && !done {
         t.failure = Some(Failure::Cut("ended without [DONE]".into()));
+    }
+    if t.failure.is_none() {
+        t.output = Some(digest.finish());
     }
     t
 }

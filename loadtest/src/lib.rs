@@ -5,6 +5,7 @@ pub mod analysis;
 pub mod cli;
 pub mod client;
 pub mod closed_loop;
+pub mod compare;
 pub mod contracts;
 pub mod html;
 pub mod pages;

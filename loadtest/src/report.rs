@@ -302,7 +302,7 @@ pub fn summarize(results: &[RequestResult], slo: Option<Slo>) -> Summary {
 }
 
 /// One row per request for CSV and JSON results.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Default, Serialize, Deserialize)]
 pub struct RequestRow {
     /// Trace row.
     pub index: usize,
@@ -340,6 +340,10 @@ pub struct RequestRow {
     pub output_length: u32,
     /// Reported output tokens.
     pub completion_tokens: u64,
+    /// The output's fingerprint (`headroom_workload::digest`: hashes, never text), for output
+    /// agreement between two runs of one trace.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output: Option<String>,
 }
 
 impl From<&RequestResult> for RequestRow {
@@ -363,6 +367,10 @@ impl From<&RequestResult> for RequestRow {
             prompt_tokens: t.prompt_tokens,
             output_length: r.output_length,
             completion_tokens: t.completion_tokens,
+            output: t
+                .output
+                .as_ref()
+                .map(headroom_workload::digest::Fingerprint::encode),
         }
     }
 }
@@ -397,6 +405,10 @@ pub fn results_from_rows(rows: &[RequestRow]) -> Vec<RequestResult> {
                 prompt_tokens: r.prompt_tokens,
                 completion_tokens: r.completion_tokens,
                 target: r.target.clone(),
+                output: r
+                    .output
+                    .as_deref()
+                    .and_then(|o| headroom_workload::digest::Fingerprint::decode(o).ok()),
             },
         })
         .collect()
@@ -526,6 +538,7 @@ mod tests {
                 prompt_tokens: 10,
                 completion_tokens: out,
                 target: String::new(),
+                output: None,
             },
         }
     }

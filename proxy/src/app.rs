@@ -25,7 +25,6 @@ use crate::record::PromptFacts;
 use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
 use crate::telemetry::Metrics;
 use crate::telemetry::capture::Capture;
-use crate::telemetry::stats::Stats;
 use crate::upstreams::Fleet;
 
 /// The proxy: shared by every connection.
@@ -46,8 +45,10 @@ pub struct Headroom {
     pub inspect: InspectConfig,
     /// For fan-out requests (`/v1/models`).
     pub http: reqwest::Client,
-    /// Sliding windows behind `/stats`.
-    pub stats: Arc<Stats>,
+    /// Where finished requests are recorded.
+    pub recorder: Arc<crate::record::Recorder>,
+    /// Pools whose requests are copied to a candidate pool.
+    pub shadows: Option<Arc<crate::shadow::Shadows>>,
     /// The trace capture, when configured.
     pub capture: Option<Arc<Capture>>,
     /// Per-replica caps and the queue, when enabled.
@@ -153,6 +154,8 @@ pub struct RequestCtx {
     pub key: Option<usize>,
     /// Counts the request open until the context is dropped.
     pub open: OpenRequest,
+    /// The shadow copy of this request, waiting to hear how the primary ended.
+    pub mirror: Option<crate::shadow::MirrorLink>,
 }
 
 enum Route {
@@ -353,6 +356,38 @@ impl Headroom {
             },
             _ => body,
         };
+        let facts = |i: &headroom_workload::inspect::Inspected| PromptFacts {
+            endpoint: ctx.route,
+            model: i.model.clone(),
+            stream: i.stream,
+            max_tokens: i.max_tokens,
+            prompt_tokens: i.prompt_tokens,
+            blocks: i.blocks.clone(),
+            tail_hash: i.tail_hash,
+            session: session_key.clone(),
+            long_body: None,
+        };
+        if let Some((shadows, shadow)) = self
+            .shadows
+            .as_ref()
+            .and_then(|s| Some((s, s.sampling(&ctx.pool, &ctx.request_id)?)))
+        {
+            let copy = crate::shadow::Copy {
+                class: ctx.class.clone(),
+                request_id: ctx.request_id.clone(),
+                path: session
+                    .req_header()
+                    .uri
+                    .path_and_query()
+                    .map_or_else(|| path.to_owned(), |p| p.as_str().to_owned()),
+                headers: crate::forward::mirrored_headers(session.req_header(), &self.headers),
+                body: body.clone(),
+                facts: inspected.as_ref().map(facts),
+                deterministic: inspected.as_ref().is_some_and(|i| i.deterministic),
+                arrival: ctx.arrival,
+            };
+            ctx.mirror = shadows.mirror(shadow, copy);
+        }
         let route = RouteRequest {
             blocks: inspected.as_ref().map_or(&[], |i| &i.blocks),
             block_tokens: self.inspect.block_tokens,
@@ -608,6 +643,7 @@ impl ProxyHttp for Headroom {
             prompt: None,
             key: None,
             open: self.lifecycle.open_request(),
+            mirror: None,
         }
     }
 

@@ -122,6 +122,24 @@ fn is_forwarding(name: &str) -> bool {
     name.starts_with("x-forwarded-") || name == "forwarded" || name == "x-real-ip"
 }
 
+/// The client's headers a shadow copy carries: what forwarding would keep, less the ones that
+/// describe the client's connection (the copy comes from the proxy).
+pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> http::HeaderMap {
+    let mut out = http::HeaderMap::with_capacity(down.headers.len());
+    for (name, value) in &down.headers {
+        let n = name.as_str();
+        let dropped = HOP_BY_HOP.contains(&n)
+            || n == rules.class_header
+            || n == "x-request-id"
+            || name == header::AUTHORIZATION && rules.strip_authorization
+            || is_forwarding(n);
+        if !dropped {
+            out.append(name.clone(), value.clone());
+        }
+    }
+    out
+}
+
 fn upstream_header(
     session: &Session,
     backend: &Backend,
@@ -530,6 +548,9 @@ impl Headroom {
         // passed through whole (it cannot be shortened).
         let strip = ctx.strip_usage && !has_length;
         let mut meter = ResponseMeter::new(is_sse, strip);
+        if ctx.mirror.as_ref().is_some_and(|m| m.wants_digest()) {
+            meter = meter.with_digest();
+        }
         let ended = if end_now {
             Ended::Complete
         } else {

@@ -7,6 +7,7 @@
 //! - `routing/`: pure, synchronous policies and the prefix index
 //! - `upstreams/`: the fleet, in-flight guards, health probes, engine-metrics scraping
 //! - `record`: the end of each generation request's timing record (metrics, goodput, capture)
+//! - `shadow`: copies of a pool's requests to a candidate pool, measured and compared, discarded
 //! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
 //! - `auth`: client API keys (constant-time check, class, rate limit)
 //! - `retry_budget`: retries as a bounded share of requests
@@ -23,6 +24,7 @@ pub mod record;
 pub mod retry_budget;
 pub mod routing;
 pub mod server;
+pub mod shadow;
 pub mod telemetry;
 pub mod upstreams;
 

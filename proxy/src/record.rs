@@ -2,17 +2,20 @@
 //! inspection, joined with what the meter read from the response, judged against the class's
 //! objectives and handed to the metrics, the `/stats` windows and the trace capture.
 
+use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
+use headroom_config::serve::ServeConfig;
+use headroom_workload::inspect::InspectConfig;
 use headroom_workload::measure::{Objectives, ResponseTiming};
-use headroom_workload::trace::TraceRecord;
+use headroom_workload::trace::{ShadowFields, TraceRecord};
 
 use crate::app::{Headroom, RequestCtx};
 use crate::telemetry::capture::Pending;
 use crate::telemetry::stats::Finished;
 
 /// What inspection learnt about a generation request (never its text).
-#[derive(Debug, Default)]
+#[derive(Debug, Default, Clone)]
 pub struct PromptFacts {
     /// `chat` or `completions`.
     pub endpoint: &'static str,
@@ -86,7 +89,56 @@ pub fn missed(o: &Objectives, t: &ResponseTiming) -> Vec<&'static str> {
     out
 }
 
-impl Headroom {
+/// Where finished requests go: metrics, the `/stats` windows, the trace capture. Shared by the
+/// primary path and the shadow copies (which have their own windows).
+#[derive(Debug)]
+pub struct Recorder {
+    /// The metrics.
+    pub metrics: Arc<crate::telemetry::Metrics>,
+    /// `/stats` windows of the served traffic.
+    pub stats: Arc<crate::telemetry::stats::Stats>,
+    /// `/stats` windows of the shadow copies.
+    pub shadow_stats: Arc<crate::telemetry::stats::Stats>,
+    /// The trace capture, when configured.
+    pub capture: Option<Arc<crate::telemetry::capture::Capture>>,
+    /// The config (class objectives).
+    pub cfg: Arc<ServeConfig>,
+    /// Prompt hashing settings (whole-prompt rehash for the capture).
+    pub inspect: InspectConfig,
+}
+
+/// One finished generation request (or shadow copy), as the recorder takes it.
+#[derive(Debug)]
+pub struct Outcome<'a> {
+    /// Pool (a shadow copy: the candidate pool).
+    pub pool: &'a str,
+    /// Class.
+    pub class: &'a str,
+    /// The replica that answered.
+    pub backend: Option<&'a str>,
+    /// A shadow copy, and how its output compared.
+    pub shadow: Option<ShadowFields>,
+    /// The request id.
+    pub request_id: &'a str,
+    /// Wall-clock arrival.
+    pub arrival: SystemTime,
+    /// Arrival, on the monotonic clock (the origin of `timing`).
+    pub start: Instant,
+    /// First dispatch.
+    pub dispatched: Option<Instant>,
+    /// The last attempt's dispatch.
+    pub sent: Option<Instant>,
+    /// Status sent to the client (a shadow copy: the candidate's).
+    pub status: u16,
+    /// Relayed to its end without an error.
+    pub completed: bool,
+    /// The response's measurement.
+    pub timing: ResponseTiming,
+    /// What inspection learnt.
+    pub facts: Option<PromptFacts>,
+}
+
+impl Recorder {
     /// The objectives of `class`.
     pub(crate) fn objectives(&self, class: &str) -> Objectives {
         self.cfg
@@ -100,19 +152,22 @@ impl Headroom {
             .unwrap_or_default()
     }
 
-    /// Finishes a generation request's record: metrics, goodput, `/stats`, capture.
-    pub(crate) fn finish_record(&self, ctx: &mut RequestCtx) {
+    /// Records a finished request: metrics, goodput (served traffic only), `/stats`, capture.
+    pub(crate) fn finish(&self, o: Outcome<'_>) {
         let now = Instant::now();
-        let mut timing = ctx
-            .meter
-            .take()
-            .map(|m| m.into_timing(ctx.start))
-            .unwrap_or_default();
+        let Outcome {
+            pool,
+            class,
+            request_id,
+            mut timing,
+            ..
+        } = o;
         let tpot = timing.tpot();
-        let backend = ctx.backend.as_deref().unwrap_or("none");
-        let labels = [ctx.pool.as_str(), ctx.class.as_str(), backend];
-        let completed = ctx.completed && (200..300).contains(&ctx.status) && !timing.error_event;
-        let objectives = self.objectives(&ctx.class);
+        let backend = o.backend.unwrap_or("none");
+        let shadow = if o.shadow.is_some() { "true" } else { "false" };
+        let labels = [pool, class, backend, shadow];
+        let completed = o.completed && (200..300).contains(&o.status) && !timing.error_event;
+        let objectives = self.objectives(class);
         let misses = if completed {
             missed(&objectives, &timing)
         } else {
@@ -129,11 +184,9 @@ impl Headroom {
                 h.with_label_values(&labels).observe(d.as_secs_f64());
             }
         };
-        let queue = ctx
-            .dispatched
-            .map(|d| d.saturating_duration_since(ctx.start));
-        let prefill = match (ctx.sent, timing.ttft) {
-            (Some(sent), Some(ttft)) => Some((ctx.start + ttft).saturating_duration_since(sent)),
+        let queue = o.dispatched.map(|d| d.saturating_duration_since(o.start));
+        let prefill = match (o.sent, timing.ttft) {
+            (Some(sent), Some(ttft)) => Some((o.start + ttft).saturating_duration_since(sent)),
             _ => None,
         };
         observe(&m.queue, queue);
@@ -147,7 +200,7 @@ impl Headroom {
                 h.observe(gap.as_secs_f64());
             }
         }
-        let facts = ctx.prompt.take();
+        let facts = o.facts;
         let prompt_tokens = timing.usage.map_or_else(
             || facts.as_ref().map_or(0, |f| u64::from(f.prompt_tokens)),
             |u| u.prompt_tokens,
@@ -159,24 +212,32 @@ impl Headroom {
         m.completion_tokens
             .with_label_values(&labels)
             .inc_by(output_tokens);
-        let group = [ctx.pool.as_str(), ctx.class.as_str()];
-        m.slo_requests
-            .with_label_values(&[group[0], group[1], verdict.label()])
-            .inc();
-        for objective in &misses {
-            m.slo_missed
-                .with_label_values(&[group[0], group[1], objective])
+        // Goodput is the served traffic's: a shadow copy serves no one.
+        if o.shadow.is_none() {
+            let group = [pool, class];
+            m.slo_requests
+                .with_label_values(&[group[0], group[1], verdict.label()])
                 .inc();
+            for objective in &misses {
+                m.slo_missed
+                    .with_label_values(&[group[0], group[1], objective])
+                    .inc();
+            }
+            if verdict == Verdict::Good {
+                m.goodput_requests.with_label_values(&group).inc();
+                m.goodput_tokens
+                    .with_label_values(&group)
+                    .inc_by(output_tokens);
+            }
         }
-        if verdict == Verdict::Good {
-            m.goodput_requests.with_label_values(&group).inc();
-            m.goodput_tokens
-                .with_label_values(&group)
-                .inc_by(output_tokens);
-        }
-        self.stats.record(
-            &ctx.pool,
-            &ctx.class,
+        let windows = if o.shadow.is_some() {
+            &self.shadow_stats
+        } else {
+            &self.stats
+        };
+        windows.record(
+            pool,
+            class,
             &Finished {
                 completed,
                 good: verdict == Verdict::Good,
@@ -195,7 +256,7 @@ impl Headroom {
             m.capture_skipped.with_label_values(&["no_prompt"]).inc();
             return;
         };
-        if !capture.sampled(&ctx.request_id) {
+        if !capture.sampled(request_id) {
             m.capture_skipped.with_label_values(&["sampled_out"]).inc();
             return;
         }
@@ -210,13 +271,13 @@ impl Headroom {
             hash_ids: Vec::new(),
             block_tokens: None,
             session_id: facts.session,
-            request_id: Some(ctx.request_id.clone()),
+            request_id: Some(request_id.to_owned()),
             model: facts.model,
             endpoint: Some(facts.endpoint.to_owned()),
-            class: Some(ctx.class.clone()),
-            pool: Some(ctx.pool.clone()),
-            backend: ctx.backend.clone(),
-            status: Some(ctx.status),
+            class: Some(class.to_owned()),
+            pool: Some(pool.to_owned()),
+            backend: o.backend.map(str::to_owned),
+            status: Some(o.status),
             max_tokens: facts.max_tokens.and_then(|n| u32::try_from(n).ok()),
             stream: Some(facts.stream),
             queue_ms: queue.map(ms),
@@ -229,10 +290,11 @@ impl Headroom {
             itl_max_ms: gaps.last().map(|g| ms(*g)),
             e2e_ms: timing.e2e.map(ms),
             finish_reason: timing.finish_reason.take().or_else(|| {
-                (!completed).then(|| if ctx.status == 499 { "abort" } else { "error" }.to_owned())
+                (!completed).then(|| if o.status == 499 { "abort" } else { "error" }.to_owned())
             }),
             cached_tokens: timing.usage.and_then(|u| u.cached_tokens),
             good: Some(verdict == Verdict::Good),
+            shadow: o.shadow,
         };
         let rehash = facts
             .long_body
@@ -242,19 +304,53 @@ impl Headroom {
                 body,
                 inspect: self.inspect.clone(),
             });
+        let arrival_ns = o
+            .arrival
+            .duration_since(SystemTime::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos() as u64);
         capture.submit(Pending {
             rehash,
-            arrival: ctx.arrival,
+            arrival: o.arrival,
             record,
             blocks: facts.blocks,
             block_tokens: self.inspect.block_tokens,
             tail_hash: facts.tail_hash,
+            // A shadow copy's record is a record of its own.
             unique: xxhash_rust::xxh3::xxh3_64_with_seed(
-                ctx.request_id.as_bytes(),
-                ctx.arrival
-                    .duration_since(SystemTime::UNIX_EPOCH)
-                    .map_or(0, |d| d.as_nanos() as u64),
+                request_id.as_bytes(),
+                arrival_ns ^ u64::from(o.shadow.is_some()),
             ),
+        });
+    }
+}
+
+impl Headroom {
+    /// Finishes a generation request's record: tells a mirror how the primary ended, then
+    /// metrics, goodput, `/stats`, capture.
+    pub(crate) fn finish_record(&self, ctx: &mut RequestCtx) {
+        let timing = ctx
+            .meter
+            .take()
+            .map(|m| m.into_timing(ctx.start))
+            .unwrap_or_default();
+        let completed = ctx.completed && (200..300).contains(&ctx.status) && !timing.error_event;
+        if let Some(link) = ctx.mirror.take() {
+            link.primary_ended(completed, &timing);
+        }
+        self.recorder.finish(Outcome {
+            pool: &ctx.pool,
+            class: &ctx.class,
+            backend: ctx.backend.as_deref(),
+            shadow: None,
+            request_id: &ctx.request_id,
+            arrival: ctx.arrival,
+            start: ctx.start,
+            dispatched: ctx.dispatched,
+            sent: ctx.sent,
+            status: ctx.status,
+            completed: ctx.completed,
+            timing,
+            facts: ctx.prompt.take(),
         });
     }
 }

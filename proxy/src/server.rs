@@ -67,6 +67,8 @@ pub struct ServeHandle {
     pub metrics: Arc<Metrics>,
     /// The `/stats` windows.
     pub stats: Arc<Stats>,
+    /// The `/stats` windows of shadow copies.
+    pub shadow_stats: Arc<Stats>,
     /// The trace capture, when configured.
     pub capture: Option<Arc<Capture>>,
     /// Open requests and draining.
@@ -121,6 +123,7 @@ impl ServeHandle {
         let shared = Shared {
             metrics: self.metrics.clone(),
             stats: self.stats.clone(),
+            shadow_stats: self.shadow_stats.clone(),
             capture: self.capture.clone(),
             lifecycle: self.lifecycle.clone(),
         };
@@ -182,6 +185,7 @@ impl ServeHandle {
 struct Shared {
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
+    shadow_stats: Arc<Stats>,
     capture: Option<Arc<Capture>>,
     lifecycle: Arc<Lifecycle>,
 }
@@ -195,6 +199,7 @@ struct Live {
     fleet: Arc<Fleet>,
     admission: Option<Arc<Admission>>,
     kv_index: Option<Arc<Mutex<KvIndex>>>,
+    shadows: Option<Arc<crate::shadow::Shadows>>,
 }
 
 /// Everything one config builds: the application and the replicas' state, with the background
@@ -315,6 +320,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let metrics = Arc::new(Metrics::new());
     let shared = Shared {
         stats: Arc::new(Stats::default()),
+        shadow_stats: Arc::new(Stats::default()),
         capture: Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new),
         lifecycle: Lifecycle::new(metrics.open_requests.clone()),
         metrics,
@@ -359,6 +365,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         shared.lifecycle.clone(),
         shared.metrics.clone(),
         shared.stats.clone(),
+        shared.shadow_stats.clone(),
         live_rx,
     );
     let mut admin_stop = stop_rx;
@@ -375,6 +382,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         admin_addr,
         metrics: shared.metrics,
         stats: shared.stats,
+        shadow_stats: shared.shadow_stats,
         capture: shared.capture,
         lifecycle: shared.lifecycle,
         live,
@@ -420,6 +428,25 @@ impl Generation {
             }
         }
         let (connector, http) = upstream_clients(&cfg)?;
+        let inspect = inspect_config(&cfg)?;
+        let recorder = Arc::new(crate::record::Recorder {
+            metrics: metrics.clone(),
+            stats: shared.stats.clone(),
+            shadow_stats: shared.shadow_stats.clone(),
+            capture: shared.capture.clone(),
+            cfg: cfg.clone(),
+            inspect: inspect.clone(),
+        });
+        let pools = crate::app::PoolPlan::all(&cfg);
+        let shadows = crate::shadow::Shadows::new(
+            &cfg,
+            &pools,
+            fleet.clone(),
+            policy.clone(),
+            http.clone(),
+            recorder.clone(),
+            inspect.block_tokens,
+        );
         let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let headroom = Headroom {
             lifecycle: shared.lifecycle.clone(),
@@ -434,12 +461,13 @@ impl Generation {
             metrics: metrics.clone(),
             connector,
             cfg: cfg.clone(),
-            inspect: inspect_config(&cfg)?,
+            inspect,
             http: http.clone(),
-            stats: shared.stats.clone(),
+            recorder,
+            shadows: shadows.clone(),
             capture: shared.capture.clone(),
             admission: admission.clone(),
-            pools: crate::app::PoolPlan::all(&cfg),
+            pools,
             keys: crate::auth::Keys::from_config(&cfg.security)
                 .map_err(|e| ServeError::Config(e.to_string()))?
                 .map(Arc::new),
@@ -550,6 +578,7 @@ impl Generation {
                 fleet,
                 admission,
                 kv_index,
+                shadows,
             },
             retired,
             stop,
@@ -758,6 +787,7 @@ fn admin_router(
     lifecycle: Arc<Lifecycle>,
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
+    shadow_stats: Arc<Stats>,
     live: watch::Receiver<Live>,
 ) -> Router {
     let (ready_live, metrics_live) = (live.clone(), live.clone());
@@ -768,11 +798,13 @@ fn admin_router(
             "/stats",
             get(move || {
                 let (metrics, stats) = (stats_metrics.clone(), stats.clone());
+                let shadow_stats = shadow_stats.clone();
                 let Live {
                     cfg,
                     fleet,
                     admission,
                     kv_index: kv,
+                    shadows,
                     ..
                 } = live.borrow().clone();
                 async move {
@@ -804,15 +836,23 @@ fn admin_router(
                             });
                         }
                     }
-                    let windows = stats.snapshot(std::time::Instant::now());
+                    let now = std::time::Instant::now();
+                    let windows = stats.snapshot(now);
                     let cost =
                         crate::telemetry::operator::cost(&cfg.cost, fleet.backends.len(), &windows);
+                    let shadow = shadows.map(|s| {
+                        serde_json::json!({
+                            "pools": s.all().iter().map(|x| x.stats(&metrics)).collect::<Vec<_>>(),
+                            "windows": shadow_stats.snapshot(now),
+                        })
+                    });
                     axum::Json(serde_json::json!({
                         "windows": windows,
                         "backends": backends,
                         "pools": crate::telemetry::operator::pools(&cfg, &fleet),
                         "cost": cost,
                         "queued": queued,
+                        "shadow": shadow,
                     }))
                 }
             }),

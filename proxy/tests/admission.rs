@@ -217,12 +217,14 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
             backends: vec!["a".into()],
             borrow: vec![],
             borrow_below: 0.5,
+            shadow: None,
         },
         PoolConfig {
             name: "batch".into(),
             backends: vec!["b".into()],
             borrow: vec!["interactive".into()],
             borrow_below: 1.0,
+            shadow: None,
         },
     ];
     let mut interactive = class(10, 8, 30_000);

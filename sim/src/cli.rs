@@ -140,6 +140,11 @@ pub struct SimArgs {
     /// Percentage (0–100) of requests answered with an injected error.
     #[arg(long, default_value_t = 0.0)]
     pub failure_injection_rate: f64,
+    /// Percentage (0–100) of requests whose generated text differs from the reference from a
+    /// drawn token on (the same requests on every replica with the flag: drawn from the request's
+    /// seed), to test output-agreement checks.
+    #[arg(long, default_value_t = 0.0)]
+    pub perturb_text_rate: f64,
     /// Statuses injected, one drawn per failure.
     #[arg(long, value_delimiter = ',', default_values_t = [503u16])]
     pub failure_status: Vec<u16>,
@@ -204,6 +209,8 @@ pub struct ReplicaOverrides {
     pub inter_token_latency: Option<f64>,
     /// Percentage of requests failed.
     pub failure_injection_rate: Option<f64>,
+    /// Percentage of requests whose text is perturbed.
+    pub perturb_text_rate: Option<f64>,
     /// Cold-start seconds.
     pub startup_duration: Option<f64>,
 }
@@ -256,15 +263,20 @@ impl Validate for FleetFile {
             if let Some(b) = r.num_gpu_blocks {
                 check(errors, b >= 2, &p, "num_gpu_blocks", b, "at least 2");
             }
-            if let Some(f) = r.failure_injection_rate {
-                check(
-                    errors,
-                    (0.0..=100.0).contains(&f),
-                    &p,
-                    "failure_injection_rate",
-                    f,
-                    "a percentage in 0..=100",
-                );
+            for (name, value) in [
+                ("failure_injection_rate", r.failure_injection_rate),
+                ("perturb_text_rate", r.perturb_text_rate),
+            ] {
+                if let Some(f) = value {
+                    check(
+                        errors,
+                        (0.0..=100.0).contains(&f),
+                        &p,
+                        name,
+                        f,
+                        "a percentage in 0..=100",
+                    );
+                }
             }
         }
     }
@@ -309,6 +321,7 @@ impl SimArgs {
         a.time_to_first_token = o.time_to_first_token.unwrap_or(a.time_to_first_token);
         a.inter_token_latency = o.inter_token_latency.unwrap_or(a.inter_token_latency);
         a.failure_injection_rate = o.failure_injection_rate.unwrap_or(a.failure_injection_rate);
+        a.perturb_text_rate = o.perturb_text_rate.unwrap_or(a.perturb_text_rate);
         a.startup_duration = o.startup_duration.unwrap_or(a.startup_duration);
         a
     }
@@ -434,6 +447,12 @@ impl SimArgs {
                 self.failure_injection_rate
             );
         }
+        if !(0.0..=100.0).contains(&self.perturb_text_rate) {
+            bail!(
+                "--perturb-text-rate is a percentage in 0..=100, got {}",
+                self.perturb_text_rate
+            );
+        }
         if let Some(bad) = self
             .failure_status
             .iter()
@@ -488,6 +507,7 @@ impl SimArgs {
             drop_after: self.drop_after,
             hang: self.hang,
             error: None,
+            perturb_after: None,
         };
         if faults.stall_after.is_none() {
             faults.stall = Duration::ZERO;
@@ -503,6 +523,7 @@ impl SimArgs {
                 mean_output_tokens: self.mean_output_tokens,
                 faults,
                 failure_rate: self.failure_injection_rate / 100.0,
+                perturb_rate: self.perturb_text_rate / 100.0,
                 failure_statuses: self.failure_status.clone(),
                 startup_duration: Duration::from_secs_f64(self.startup_duration),
                 seed,

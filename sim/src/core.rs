@@ -90,6 +90,8 @@ pub struct NewRequest {
     pub natural_len: u32,
     /// Seed of the generated text.
     pub seed: u64,
+    /// Output token from which the text differs from what `seed` gives (a fault).
+    pub perturb_from: Option<u32>,
     /// Bytes mixed into the first block hash (cache salt, LoRA).
     pub hash_extra: Vec<u8>,
 }
@@ -122,6 +124,7 @@ struct Seq {
     max_tokens: u32,
     eos_at: Option<u32>,
     seed: u64,
+    perturb_from: Option<u32>,
     hash_extra: Vec<u8>,
     hashes: Vec<BlockHash>,
     num_computed: u32,
@@ -253,6 +256,7 @@ impl Core {
             max_tokens: req.max_tokens.max(1),
             eos_at,
             seed: req.seed,
+            perturb_from: req.perturb_from,
             hash_extra: req.hash_extra,
             hashes,
             num_computed: 0,
@@ -394,8 +398,19 @@ impl Core {
                 continue; // a partial prefill chunk emits nothing
             }
             let index = u64::from(seq.output_len());
-            let word =
-                (xxh3_64_with_seed(&index.to_le_bytes(), seq.seed) % WORDS.len() as u64) as usize;
+            let word_for = |seed: u64| {
+                (xxh3_64_with_seed(&index.to_le_bytes(), seed) % WORDS.len() as u64) as usize
+            };
+            let mut word = word_for(seq.seed);
+            if seq.perturb_from.is_some_and(|p| index >= u64::from(p)) {
+                // A different word at the perturbed position itself, then another sequence.
+                let other = word_for(seq.seed ^ 0x9E37_79B9_7F4A_7C15);
+                word = if other == word {
+                    (word + 1) % WORDS.len()
+                } else {
+                    other
+                };
+            }
             let token_id = self.word_ids[word];
             seq.tokens.push(token_id);
             self.hasher
@@ -605,6 +620,7 @@ mod tests {
             ignore_eos: true,
             natural_len: 0,
             seed: key,
+            perturb_from: None,
             hash_extra: vec![],
         }
     }
@@ -788,6 +804,34 @@ mod tests {
         assert_eq!(out[&1][3].text, "", "EOS carries no text");
         assert_eq!(out[&1][3].completion_tokens, 4, "but counts as a token");
         assert_eq!(out[&2].len(), 9);
+    }
+
+    #[test]
+    fn the_same_seed_gives_the_same_text_until_the_perturbed_token() {
+        let mut c = core(1000, 4096);
+        let plain = request(1, tokens(1, 20), 12);
+        let mut same = request(2, tokens(2, 20), 12);
+        same.seed = plain.seed;
+        let mut perturbed = request(3, tokens(3, 20), 12);
+        perturbed.seed = plain.seed;
+        perturbed.perturb_from = Some(5);
+        let out = run(
+            &mut c,
+            vec![
+                (Duration::ZERO, plain),
+                (Duration::ZERO, same),
+                (Duration::ZERO, perturbed),
+            ],
+        );
+        let text = |k: u64| -> Vec<&str> { out[&k].iter().map(|o| o.text).collect() };
+        assert_eq!(text(1), text(2));
+        assert_eq!(text(1)[..5], text(3)[..5]);
+        assert_ne!(
+            text(1)[5],
+            text(3)[5],
+            "differs at the perturbed token itself"
+        );
+        assert_eq!(text(3).len(), 12, "the length is unchanged");
     }
 
     #[test]

@@ -11,6 +11,7 @@
 //! | `stall-after=N`, `stall-ms=MS` | pause the stream MS ms after N tokens |
 //! | `drop-after=N` | cut the connection after N tokens, with no `[DONE]` |
 //! | `hang` | accept the request and never answer |
+//! | `perturb-after=N` | generate different text from output token N on (as a broken quantisation or chat template would) |
 
 use std::time::Duration;
 
@@ -29,6 +30,8 @@ pub struct Faults {
     pub drop_after: Option<u32>,
     /// Never answer.
     pub hang: bool,
+    /// Generate different text from this output token on.
+    pub perturb_after: Option<u32>,
 }
 
 impl Faults {
@@ -60,9 +63,10 @@ impl Faults {
                 "stall-ms" => f.stall = Duration::from_millis(number("milliseconds")?),
                 "drop-after" => f.drop_after = Some(number("tokens")? as u32),
                 "hang" => f.hang = true,
+                "perturb-after" => f.perturb_after = Some(number("tokens")? as u32),
                 other => {
                     return Err(format!(
-                        "unknown fault `{other}`; known: error, stall-first-ms, stall-after, stall-ms, drop-after, hang"
+                        "unknown fault `{other}`; known: error, stall-first-ms, stall-after, stall-ms, drop-after, hang, perturb-after"
                     ));
                 }
             }
@@ -86,6 +90,7 @@ impl Faults {
             },
             drop_after: other.drop_after.or(self.drop_after),
             hang: other.hang || self.hang,
+            perturb_after: other.perturb_after.or(self.perturb_after),
         }
     }
 }
@@ -126,6 +131,10 @@ mod tests {
             (Some(3), Duration::from_millis(40))
         );
         assert!(Faults::parse("hang").unwrap().hang);
+        assert_eq!(
+            Faults::parse("perturb-after=5").unwrap().perturb_after,
+            Some(5)
+        );
     }
 
     #[test]

@@ -54,6 +54,8 @@ pub struct ServeSettings {
     pub faults: Faults,
     /// Share of requests answered with an injected error, in [0, 1].
     pub failure_rate: f64,
+    /// Share of requests whose text is perturbed, in [0, 1].
+    pub perturb_rate: f64,
     /// Statuses injected at `failure_rate`, one drawn per failure.
     pub failure_statuses: Vec<u16>,
     /// `/health` answers 503 (and generation refuses) for this long after start.
@@ -425,10 +427,26 @@ async fn generate(
             Some("min_tokens"),
         ));
     }
-    let seed = params.seed.map_or_else(|| r.random_u64(), |s| s as u64);
+    // Greedy sampling depends on the prompt alone: the same prompt gives the same text (and
+    // length) on every replica, as on a real engine.
+    let greedy = params.temperature == Some(0.0);
+    let seed = match params.seed {
+        Some(s) => s as u64,
+        None if greedy => {
+            let bytes: Vec<u8> = prompt.iter().flat_map(|t| t.to_le_bytes()).collect();
+            xxhash_rust::xxh3::xxh3_64(&bytes)
+        }
+        None => r.random_u64(),
+    };
+    let draw = |what: &[u8]| {
+        (xxhash_rust::xxh3::xxh3_64_with_seed(what, seed) as f64 + 1.0) / (u64::MAX as f64 + 2.0)
+    };
+    let perturb_from = faults.perturb_after.or_else(|| {
+        (draw(b"perturb") < s.perturb_rate)
+            .then(|| (draw(b"perturb-at") * f64::from(max_tokens)) as u32)
+    });
     let mean = f64::from(s.mean_output_tokens.max(1));
-    let u = (xxhash_rust::xxh3::xxh3_64_with_seed(b"length", seed) as f64 + 1.0)
-        / (u64::MAX as f64 + 2.0);
+    let u = draw(b"length");
     let natural_len = (1.0 - mean * u.ln()).min(f64::from(u32::MAX)) as u32;
     let key = r.engine.next_key();
     let submission = r.engine.submit(NewRequest {
@@ -439,6 +457,7 @@ async fn generate(
         ignore_eos: params.ignore_eos,
         natural_len,
         seed,
+        perturb_from,
         hash_extra: params.cache_salt.clone().unwrap_or_default().into_bytes(),
     });
 

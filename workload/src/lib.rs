@@ -3,6 +3,7 @@
 
 pub mod blocks;
 pub mod capacity;
+pub mod digest;
 pub mod engine_metrics;
 pub mod engine_tokenizer;
 pub mod inspect;

@@ -23,10 +23,14 @@ use bytes::{Bytes, BytesMut};
 use serde::Deserialize;
 use serde::de::IgnoredAny;
 
+use crate::digest::{Fingerprint, OutputDigest};
 use crate::sse::{DONE, SseParser};
 
 /// Bytes of a non-streamed body's end kept (as shared chunks, not copies) to read its usage.
 pub const TAIL_BYTES: usize = 16 * 1024;
+
+/// Largest non-streamed body copied whole to digest its output (agreement checks only).
+pub const MAX_DIGEST_BODY_BYTES: usize = 4 << 20;
 
 /// Token counts an engine reports.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Deserialize)]
@@ -105,6 +109,11 @@ pub struct EventInfo {
 
 /// Reads one event's data.
 pub fn classify_event(data: &str) -> EventInfo {
+    read_event(data, None)
+}
+
+/// Reads one event's data, adding its first choice's output text to `digest`.
+fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
     if data == DONE {
         return EventInfo {
             done: true,
@@ -119,6 +128,19 @@ pub fn classify_event(data: &str) -> EventInfo {
     };
     let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
     let choices = ev.choices.as_deref().unwrap_or_default();
+    if let (Some(digest), Some(first)) = (digest, choices.first()) {
+        let delta = first.delta.as_ref();
+        let parts = [
+            delta.and_then(|d| d.reasoning_content.as_deref()),
+            delta.and_then(|d| d.reasoning.as_deref()),
+            delta.and_then(|d| d.content.as_deref()),
+            first.text.as_deref(),
+        ];
+        let text: String = parts.into_iter().flatten().collect();
+        if !text.is_empty() {
+            digest.event(&text);
+        }
+    }
     let output = choices.iter().any(|c| {
         nonempty(&c.text)
             || c.finish_reason.is_some()
@@ -195,6 +217,10 @@ pub struct ResponseMeter {
     finish_reason: Option<String>,
     error_event: bool,
     done: bool,
+    /// The output text's digest, when asked for.
+    digest: Option<OutputDigest>,
+    /// A non-streamed body, copied while it is small enough to digest.
+    body_copy: Option<Vec<u8>>,
 }
 
 /// A measured response, relative to the request's arrival.
@@ -220,6 +246,8 @@ pub struct ResponseTiming {
     pub error_event: bool,
     /// The stream ended with `[DONE]`.
     pub done: bool,
+    /// The output's fingerprint, when the meter was asked to digest it.
+    pub output: Option<Fingerprint>,
 }
 
 impl ResponseTiming {
@@ -260,7 +288,19 @@ impl ResponseMeter {
             finish_reason: None,
             error_event: false,
             done: false,
+            digest: None,
+            body_copy: None,
         }
+    }
+
+    /// Also digests the output text (for agreement checks); a JSON body is then copied whole,
+    /// up to [`MAX_DIGEST_BODY_BYTES`].
+    pub fn with_digest(mut self) -> Self {
+        self.digest = Some(OutputDigest::new());
+        if self.sse.is_none() {
+            self.body_copy = Some(Vec::new());
+        }
+        self
     }
 
     /// Reads a chunk that arrived at `now` and says what to pass on. The output events it holds
@@ -269,6 +309,14 @@ impl ResponseMeter {
         self.first_byte.get_or_insert(now);
         let had_output = self.output_events > 0;
         let Some(mut parser) = self.sse.take() else {
+            if let Some(copy) = &mut self.body_copy {
+                if copy.len() + chunk.len() <= MAX_DIGEST_BODY_BYTES {
+                    copy.extend_from_slice(&chunk);
+                } else {
+                    self.body_copy = None;
+                    self.digest = None;
+                }
+            }
             self.keep_tail(chunk.clone());
             return Passed {
                 forward: Some(chunk),
@@ -362,7 +410,7 @@ impl ResponseMeter {
     }
 
     fn on_event(&mut self, data: &str) -> EventInfo {
-        let info = classify_event(data);
+        let info = read_event(data, self.digest.as_mut());
         if info.output {
             self.output_events += 1;
             self.undelivered += 1;
@@ -409,6 +457,12 @@ impl ResponseMeter {
             }
             self.usage = json_tail_value::<Usage>(&body, b"\"usage\"");
             self.finish_reason = json_tail_value::<String>(&body, b"\"finish_reason\"");
+            if let (Some(digest), Some(copy)) = (&mut self.digest, self.body_copy.take()) {
+                match body_output(&copy) {
+                    Some(text) => digest.whole(&text),
+                    None => self.digest = None,
+                }
+            }
             if complete && self.first_byte.is_some() {
                 self.first_output = Some(now);
                 self.last_output = Some(now);
@@ -432,8 +486,15 @@ impl ResponseMeter {
             finish_reason: self.finish_reason,
             error_event: self.error_event,
             done: self.done,
+            output: self.digest.as_ref().map(OutputDigest::finish),
         }
     }
+}
+
+/// The first choice's output text of a non-streamed body.
+fn body_output(body: &[u8]) -> Option<String> {
+    let v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    Some(crate::digest::choice_text(v.get("choices")?.get(0)?))
 }
 
 /// The value after the last `key` (a quoted JSON key, not inside a string) in `body`.
@@ -592,6 +653,31 @@ mod tests {
                 );
             }
         }
+    }
+
+    #[test]
+    fn the_digest_reads_each_output_event_and_a_json_body_whole() {
+        let with = stream(true);
+        let t0 = Instant::now();
+        let mut m = ResponseMeter::new(true, true).with_digest();
+        for piece in with.chunks(5) {
+            m.on_chunk(Bytes::copy_from_slice(piece), t0);
+        }
+        m.finish(t0, true);
+        let streamed = m.into_timing(t0).output.expect("digested");
+        assert_eq!(streamed.bytes, " one two three".len() as u64);
+        assert_eq!(streamed.pieces.len(), 3, "one piece per output event");
+        let body = br#"{"id":"c","choices":[{"index":0,"message":{"role":"assistant","content":" one two three"},"finish_reason":"length"}],"usage":{"prompt_tokens":5,"completion_tokens":3,"total_tokens":8}}"#;
+        let mut j = ResponseMeter::new(false, false).with_digest();
+        for piece in body.chunks(9) {
+            j.on_chunk(Bytes::copy_from_slice(piece), t0);
+        }
+        j.finish(t0, true);
+        let whole = j.into_timing(t0).output.expect("digested");
+        assert!(whole.compare(&streamed).exact);
+        // Without asking, nothing is digested.
+        let (_, plain) = relay(&with, &[], true);
+        assert!(plain.output.is_none());
     }
 
     #[test]

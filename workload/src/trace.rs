@@ -89,6 +89,24 @@ pub struct TraceRecord {
     /// Whether it met its class's latency objectives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub good: Option<bool>,
+    /// Set on a shadow copy's record: the candidate pool's answer to a mirrored request (same
+    /// `request_id` as the primary's record). Replays skip these records.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub shadow: Option<ShadowFields>,
+}
+
+/// How a shadow copy's output compared with the primary's.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct ShadowFields {
+    /// Byte-identical outputs (deterministic requests that both completed; else absent).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub output_match: Option<bool>,
+    /// First output token at which they differ.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub diverged_at: Option<u32>,
+    /// Shadow output tokens − primary output tokens.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub length_diff: Option<i64>,
 }
 
 impl TraceRecord {

@@ -105,6 +105,8 @@ pub struct Metrics {
     last: Mutex<std::collections::HashMap<String, BackendTotals>>,
     /// KV event stream counters, by backend.
     pub kv_events: KvEventCounters,
+    /// Shadow traffic.
+    pub shadow: ShadowMetrics,
 }
 
 /// Counters and gauges of the engines' KV event streams.
@@ -188,8 +190,79 @@ impl BackendTotals {
     }
 }
 
-/// Labels of per-request measurements.
-pub const LABELS: &[&str] = &["pool", "class", "backend"];
+/// Labels of per-request measurements (`shadow`: `true` on a shadow copy's, whose `pool` is the
+/// candidate pool).
+pub const LABELS: &[&str] = &["pool", "class", "backend", "shadow"];
+
+/// Shadow traffic, by the pool whose requests are mirrored.
+#[derive(Debug)]
+pub struct ShadowMetrics {
+    /// Copies sent to the candidate pool.
+    pub sent: IntCounterVec,
+    /// Copies not sent, by reason (`busy`, `late`, `no_backend`).
+    pub dropped: IntCounterVec,
+    /// Copies in flight now.
+    pub in_flight: prometheus::IntGaugeVec,
+    /// Copies waiting for a slot now.
+    pub waiting: prometheus::IntGaugeVec,
+    /// Deterministic requests whose outputs were compared, by result (`match`, `mismatch`).
+    pub compared: IntCounterVec,
+    /// Of mismatches: the first output token that differs.
+    pub diverged_at: HistogramVec,
+    /// |shadow output tokens − primary output tokens| of compared requests.
+    pub length_diff: HistogramVec,
+}
+
+impl ShadowMetrics {
+    fn new() -> Self {
+        let tokens = |name: &str, help: &str| {
+            HistogramVec::new(
+                HistogramOpts::new(name, help).buckets(vec![
+                    0.0, 1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0, 2048.0,
+                    4096.0, 16384.0,
+                ]),
+                &["pool"],
+            )
+            .expect("valid metric")
+        };
+        let gauge = |name: &str, help: &str| {
+            prometheus::IntGaugeVec::new(Opts::new(name, help), &["pool"]).expect("valid metric")
+        };
+        Self {
+            sent: counter(
+                "headroom_shadow_sent_total",
+                "Copies of this pool's requests sent to its shadow pool.",
+                &["pool"],
+            ),
+            dropped: counter(
+                "headroom_shadow_dropped_total",
+                "Sampled copies not sent, by reason: busy (queue full), late (waited past max_wait_ms), no_backend.",
+                &["pool", "reason"],
+            ),
+            in_flight: gauge(
+                "headroom_shadow_in_flight",
+                "Copies of this pool's requests in flight to its shadow pool.",
+            ),
+            waiting: gauge(
+                "headroom_shadow_waiting",
+                "Copies of this pool's requests waiting for a shadow slot.",
+            ),
+            compared: counter(
+                "headroom_shadow_compared_total",
+                "Deterministic requests whose primary and shadow outputs were compared, by result (match, mismatch).",
+                &["pool", "result"],
+            ),
+            diverged_at: tokens(
+                "headroom_shadow_diverged_at_tokens",
+                "Mismatched outputs: the first output token (stream event) at which the shadow's differs.",
+            ),
+            length_diff: tokens(
+                "headroom_shadow_length_diff_tokens",
+                "Compared outputs: |shadow output tokens - primary output tokens|.",
+            ),
+        }
+    }
+}
 
 fn counter(name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
     IntCounterVec::new(Opts::new(name, help), labels).expect("valid metric")
@@ -505,6 +578,7 @@ impl Metrics {
             )
             .expect("valid metric"),
             last: Mutex::new(std::collections::HashMap::new()),
+            shadow: ShadowMetrics::new(),
             kv_events: KvEventCounters {
                 batches: counter(
                     "headroom_kv_events_batches_total",
@@ -623,6 +697,13 @@ impl Metrics {
             Box::new(m.kv_events.blocks.clone()),
             Box::new(m.backend_pool.clone()),
             Box::new(m.cost.clone()),
+            Box::new(m.shadow.sent.clone()),
+            Box::new(m.shadow.dropped.clone()),
+            Box::new(m.shadow.in_flight.clone()),
+            Box::new(m.shadow.waiting.clone()),
+            Box::new(m.shadow.compared.clone()),
+            Box::new(m.shadow.diverged_at.clone()),
+            Box::new(m.shadow.length_diff.clone()),
         ];
         for c in all {
             r.register(c).expect("unique metric names");
