@@ -627,8 +627,13 @@ pub struct AdmissionConfig {
     /// Starting cap per replica; absent, derived from the engine's KV capacity
     /// (`headroom · KV tokens / context_tokens`) once scraped, unlimited until then.
     pub max_in_flight: Option<u32>,
-    /// Tokens per sequence (prompt + output) the derived cap plans for.
+    /// Tokens per sequence (prompt + output) the derived cap plans for, until `learn_context`
+    /// has seen enough requests.
     pub context_tokens: u32,
+    /// Plan each replica's cap for the mean context of the last 512 requests it served (once 32
+    /// have finished), instead of `context_tokens`; the cap follows the plan when it moves by more
+    /// than 10%.
+    pub learn_context: bool,
     /// Fraction of the KV cache the derived cap plans to fill.
     pub headroom: f64,
     /// Multiplicative cut when the engine preempted.
@@ -659,6 +664,7 @@ impl Default for AdmissionConfig {
             enabled: true,
             max_in_flight: None,
             context_tokens: 2_300,
+            learn_context: true,
             headroom: 0.9,
             beta: 0.8,
             soft_beta: 0.95,

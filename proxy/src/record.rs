@@ -153,7 +153,8 @@ impl Recorder {
     }
 
     /// Records a finished request: metrics, goodput (served traffic only), `/stats`, capture.
-    pub(crate) fn finish(&self, o: Outcome<'_>) {
+    /// Returns its prompt and output tokens.
+    pub(crate) fn finish(&self, o: Outcome<'_>) -> (u64, u64) {
         let now = Instant::now();
         let Outcome {
             pool,
@@ -251,14 +252,17 @@ impl Recorder {
             },
             now,
         );
-        let Some(capture) = &self.capture else { return };
+        let tokens = (prompt_tokens, output_tokens);
+        let Some(capture) = &self.capture else {
+            return tokens;
+        };
         let Some(facts) = facts else {
             m.capture_skipped.with_label_values(&["no_prompt"]).inc();
-            return;
+            return tokens;
         };
         if !capture.sampled(request_id) {
             m.capture_skipped.with_label_values(&["sampled_out"]).inc();
-            return;
+            return tokens;
         }
         // The gaps are not needed in arrival order any more.
         let gaps = &mut timing.itl;
@@ -321,6 +325,7 @@ impl Recorder {
                 arrival_ns ^ u64::from(o.shadow.is_some()),
             ),
         });
+        tokens
     }
 }
 
@@ -337,7 +342,7 @@ impl Headroom {
         if let Some(link) = ctx.mirror.take() {
             link.primary_ended(completed, &timing);
         }
-        self.recorder.finish(Outcome {
+        let (prompt, output) = self.recorder.finish(Outcome {
             pool: &ctx.pool,
             class: &ctx.class,
             backend: ctx.backend.as_deref(),
@@ -352,6 +357,13 @@ impl Headroom {
             timing,
             facts: ctx.prompt.take(),
         });
+        // What the replica held for it, for the context its cap plans for.
+        if let (true, Some(adm), Some(name)) = (completed, &self.admission, &ctx.backend) {
+            if let Some(b) = self.fleet.backends.iter().find(|b| &b.name == name) {
+                let tokens = u32::try_from(prompt + output).unwrap_or(u32::MAX);
+                adm.observe_context(b.id, tokens);
+            }
+        }
     }
 }
 

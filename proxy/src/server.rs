@@ -34,9 +34,9 @@ use crate::routing::{
 use crate::telemetry::Metrics;
 use crate::telemetry::capture::Capture;
 use crate::telemetry::stats::Stats;
-use crate::upstreams::Fleet;
 use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
 use crate::upstreams::kv_events::{EventSource, subscribe_loop};
+use crate::upstreams::{Backend, Fleet};
 
 /// Why the proxy could not start.
 #[derive(Debug, thiserror::Error)]
@@ -520,10 +520,25 @@ impl Generation {
         let sized_by_config = cfg.routing.index_blocks.is_some();
         let scrape_metrics = metrics.clone();
         let scrape_admission = admission.clone();
-        let (plan_context, plan_headroom) = (
+        let (plan_context, plan_headroom, learn_context) = (
             f64::from(cfg.admission.context_tokens),
             cfg.admission.headroom,
+            cfg.admission.learn_context,
         );
+        let count_change = {
+            let metrics = metrics.clone();
+            move |b: &Backend, change: Change, reason: &str| {
+                let direction = match change {
+                    Change::Raised => "raised",
+                    Change::Cut => "cut",
+                    Change::Held => return,
+                };
+                metrics
+                    .cap_changes
+                    .with_label_values(&[&b.name, direction, reason])
+                    .inc();
+            }
+        };
         let on_scrape: OnScrape = Arc::new(move |b, g| {
             scrape_metrics.engine_scraped(b, g);
             if !sized_by_config {
@@ -533,11 +548,13 @@ impl Generation {
             }
             if let Some(adm) = &scrape_admission {
                 if let Some(tokens) = g.kv_capacity_tokens() {
-                    // The capacity note's cap: headroom · KV tokens / context.
-                    adm.initialize(
+                    // The capacity note's cap, for the context the replica's requests take.
+                    let context = adm.context(b.id, plan_context, learn_context);
+                    let change = adm.replan(
                         b.id,
-                        (plan_headroom * tokens as f64 / plan_context).floor() as u32,
+                        crate::admission::context::plan(plan_headroom, tokens, context),
                     );
+                    count_change(b, change, "context");
                 }
                 let change = adm.on_feedback(
                     b.id,
@@ -549,17 +566,7 @@ impl Generation {
                     },
                 );
                 b.set_capacity(adm.slots().get(b.id).and_then(|(cap, _)| *cap));
-                let direction = match change {
-                    Change::Raised => "raised",
-                    Change::Cut => "cut",
-                    Change::Held => "",
-                };
-                if !direction.is_empty() {
-                    scrape_metrics
-                        .cap_changes
-                        .with_label_values(&[&b.name, direction])
-                        .inc();
-                }
+                count_change(b, change, "feedback");
             }
         });
         tasks.push(tokio::spawn(scrape_loop(
@@ -813,6 +820,16 @@ fn admin_router(
                     if let Some(a) = &admission {
                         for (b, (cap, admitted)) in backends.iter_mut().zip(a.slots()) {
                             b["admission"] = serde_json::json!({"cap": cap, "in_flight": admitted});
+                        }
+                        for (id, b) in backends.iter_mut().enumerate() {
+                            b["admission"]["context_tokens"] = serde_json::json!(
+                                a.context(
+                                    id,
+                                    f64::from(cfg.admission.context_tokens),
+                                    cfg.admission.learn_context
+                                )
+                                .round()
+                            );
                         }
                         queued = serde_json::json!(a.queued());
                     }

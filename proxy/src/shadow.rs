@@ -326,7 +326,7 @@ impl Shadows {
                 }
             }
         }
-        self.recorder.finish(Outcome {
+        let _ = self.recorder.finish(Outcome {
             pool: &shadow.target,
             class: &copy.class,
             backend: Some(&backend.name),

@@ -197,6 +197,44 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     assert!(common::metric_sum(&m, "headroom_backend_capped_in_flight_seconds_total") > 0.0);
     assert_eq!(common::metric_sum(&m, "headroom_backend_pool"), 1.0);
     assert!(common::metric_sum(&m, "headroom_cost_per_million_tokens") > 0.0);
+
+    // The requests are shorter than the 1,000 tokens planned for: once 32 have finished, the plan
+    // is made for their mean context, and the cap follows it at the next scrape.
+    let client = reqwest::Client::new();
+    for _ in 0..32 {
+        let resp = client
+            .post(format!("http://{}/v1/completions", p.addr))
+            .json(&json!({"model": common::MODEL, "prompt": " w".repeat(390),
+                          "max_tokens": 8, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        resp.bytes().await.unwrap();
+    }
+    let mut context = 0.0;
+    for _ in 0..400 {
+        context = common::stats(&p).await["backends"][0]["admission"]["context_tokens"]
+            .as_f64()
+            .unwrap();
+        if context < 1000.0 && admission.slots()[0].0 != Some(14) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // 33 requests: one of 1 + 8 tokens, 32 of about 391 + 8.
+    assert!((380.0..400.0).contains(&context), "{context}");
+    let planned = (0.9 * 16_000.0 / context).floor() as u32;
+    let cap = admission.slots()[0].0.unwrap();
+    assert!(cap.abs_diff(planned) <= 1, "cap {cap}, planned {planned}");
+    let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+    assert!(m.contains("headroom_admission_cap_changes_total{backend=\"127.0.0.1:"));
+    assert_eq!(
+        common::metric_sum(&m, "headroom_admission_cap_changes_total"),
+        1.0,
+        "one move, for the context: {m}"
+    );
+    assert!(m.contains("direction=\"raised\",reason=\"context\"} 1"));
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }

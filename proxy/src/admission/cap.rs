@@ -3,8 +3,10 @@
 //! and the replica is quiet.
 //!
 //! ```text
-//! cap_0 = configured max_in_flight, else ⌊headroom · KV_tokens / context⌋ once the engine reports
-//!         its KV capacity (vllm:cache_config_info), else unlimited until then
+//! cap_0 = configured max_in_flight, else plan = ⌊headroom · KV_tokens / context⌋ once the engine
+//!         reports its KV capacity (vllm:cache_config_info), else unlimited until then; context is
+//!         the mean length of the replica's recent requests once known (`context.rs`)
+//! plan moved by more than 10% since the cap last followed it → cap ← cap · plan_new / plan_old
 //! per scrape:
 //!   preempting = preemptions rose
 //!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
@@ -78,6 +80,9 @@ pub struct Feedback {
     pub running: Option<f64>,
 }
 
+/// A new plan within this fraction of the one the cap last followed leaves the cap alone.
+pub const REPLAN_STEP: f64 = 0.1;
+
 /// How the cap changed on a scrape.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Change {
@@ -97,6 +102,8 @@ pub struct CapController {
     binding: bool,
     last: Feedback,
     since_cut: u32,
+    /// The plan the cap last followed.
+    plan: Option<u32>,
 }
 
 impl CapController {
@@ -108,6 +115,7 @@ impl CapController {
             binding: false,
             last: Feedback::default(),
             since_cut: u32::MAX,
+            plan: None,
         }
     }
 
@@ -116,10 +124,34 @@ impl CapController {
         self.cap
     }
 
-    /// Sets the cap when none is set yet (from the engine's reported capacity).
-    pub fn initialize(&mut self, cap: u32) {
-        if self.cap.is_none() {
-            self.cap = Some(cap.clamp(self.params.min_cap, self.params.max_cap));
+    /// Follows the planned cap (`context.rs`). An unset cap starts at the first plan (a configured
+    /// one is only anchored to it); afterwards a plan more than [`REPLAN_STEP`] from the one the cap
+    /// last followed scales the cap in proportion, keeping what feedback learnt on top of the plan.
+    pub fn replan(&mut self, plan: u32) -> Change {
+        let bounded = |c: u32| c.clamp(self.params.min_cap, self.params.max_cap);
+        let plan = plan.max(1);
+        let Some(old) = self.plan else {
+            self.plan = Some(plan);
+            if self.cap.is_none() {
+                self.cap = Some(bounded(plan));
+            }
+            return Change::Held;
+        };
+        let ratio = f64::from(plan) / f64::from(old);
+        if (ratio - 1.0).abs() <= REPLAN_STEP {
+            return Change::Held;
+        }
+        self.plan = Some(plan);
+        let Some(cap) = self.cap else {
+            self.cap = Some(bounded(plan));
+            return Change::Held;
+        };
+        let next = bounded((f64::from(cap) * ratio).round() as u32);
+        self.cap = Some(next);
+        match next.cmp(&cap) {
+            std::cmp::Ordering::Greater => Change::Raised,
+            std::cmp::Ordering::Less => Change::Cut,
+            std::cmp::Ordering::Equal => Change::Held,
         }
     }
 
@@ -234,9 +266,22 @@ mod tests {
         let mut c = CapController::new(None, CapParams::default());
         assert!(c.has_room(1_000_000));
         assert_eq!(c.on_feedback(quiet(5.0)), Change::Held);
-        c.initialize(180);
-        c.initialize(999);
+        c.replan(180);
         assert_eq!(c.cap(), Some(180));
+        // A plan within 10% leaves the cap where feedback put it.
+        c.replan(190);
+        assert_eq!(c.cap(), Some(180));
+        // Longer requests: the plan halves, and so does the cap.
+        assert_eq!(c.replan(90), Change::Cut);
+        assert_eq!(c.cap(), Some(90));
+        assert_eq!(c.replan(135), Change::Raised);
+        assert_eq!(c.cap(), Some(135));
+        // A configured cap is anchored to the first plan, then follows its moves.
+        let mut set = CapController::new(Some(40), CapParams::default());
+        assert_eq!(set.replan(180), Change::Held);
+        assert_eq!(set.cap(), Some(40));
+        set.replan(90);
+        assert_eq!(set.cap(), Some(20));
         let mut low = CapController::new(Some(1), CapParams::default());
         low.on_feedback(quiet(0.0));
         low.on_feedback(quiet(1.0));

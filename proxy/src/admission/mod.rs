@@ -19,6 +19,7 @@
 //! permit is a guard: however the request ends, dropping it releases the slot.
 
 pub mod cap;
+pub mod context;
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -49,6 +50,7 @@ struct Waiter {
 struct Slot {
     cap: CapController,
     in_flight: u32,
+    context: context::ContextEstimate,
 }
 
 #[derive(Debug)]
@@ -171,6 +173,7 @@ impl Admission {
                     .map(|_| Slot {
                         cap: CapController::new(initial, params),
                         in_flight: 0,
+                        context: context::ContextEstimate::default(),
                     })
                     .collect(),
                 waiters: BTreeMap::new(),
@@ -301,18 +304,39 @@ impl Admission {
         change
     }
 
-    /// Sets a replica's cap from its reported capacity, when no cap is set yet.
-    pub fn initialize(&self, backend: usize, cap: u32) {
-        let mut g = self.lock();
-        if let Some(s) = g.slots.get_mut(backend) {
-            let was_unlimited = s.cap.cap().is_none();
-            s.cap.initialize(cap);
-            if was_unlimited {
-                // Waiters queued only for lack of room elsewhere re-check.
-                let n = g.waiters.len();
-                wake_first(&mut g, n);
-            }
+    /// A request the replica served took `tokens` of context (prompt + output).
+    pub fn observe_context(&self, backend: usize, tokens: u32) {
+        if let Some(s) = self.lock().slots.get_mut(backend) {
+            s.context.observe(tokens);
         }
+    }
+
+    /// The context the replica's plan uses: its recent requests' mean when `learn` and known, else
+    /// `configured`.
+    pub fn context(&self, backend: usize, configured: f64, learn: bool) -> f64 {
+        match self.lock().slots.get(backend) {
+            Some(s) if learn => s.context.context(configured),
+            _ => configured,
+        }
+    }
+
+    /// Feeds a replica's planned cap (`context.rs`) to its cap; a cap that appears or rises wakes
+    /// waiters.
+    pub fn replan(&self, backend: usize, plan: u32) -> Change {
+        let mut g = self.lock();
+        let Some(s) = g.slots.get_mut(backend) else {
+            return Change::Held;
+        };
+        let before = s.cap.cap();
+        let change = s.cap.replan(plan);
+        let woken = match (before, s.cap.cap()) {
+            // Waiters queued only for lack of room elsewhere re-check.
+            (None, Some(_)) => g.waiters.len(),
+            (Some(b), Some(a)) if a > b => (a - b) as usize,
+            _ => 0,
+        };
+        wake_first(&mut g, woken);
+        change
     }
 
     /// Each replica's cap (None: unlimited) and admitted count.

@@ -444,8 +444,8 @@ impl Metrics {
             ),
             cap_changes: counter(
                 "headroom_admission_cap_changes_total",
-                "Admission cap changes from engine feedback, by direction (raised, cut).",
-                &["backend", "direction"],
+                "Admission cap changes, by direction (raised, cut) and reason (feedback: the engine's gauges; context: the planned cap moved with the length of the replica's requests).",
+                &["backend", "direction", "reason"],
             ),
             admission: AdmissionGauges {
                 cap: fgauge(

@@ -2,7 +2,8 @@
 //! down) to its first passing health probe, and to the first output token it served.
 //!
 //! ```text
-//! begins:   the replica enters the fleet (start, reload), or a probe fails after one passed
+//! begins:   the replica enters the fleet (start, reload), or is judged down (health.unhealthy_after
+//!           failing probes in a row) after a probe passed
 //! healthy:  first passing probe after it began           → healthy_after = t − began
 //! serving:  first output token it served after it began  → first_token_after = t − began
 //! ```

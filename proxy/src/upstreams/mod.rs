@@ -397,11 +397,14 @@ impl Fleet {
 
     /// Records one active probe of `b`.
     pub fn probe_result(&self, b: &Backend, passed: bool) {
-        b.cold_start
-            .lock()
-            .unwrap_or_else(|e| e.into_inner())
-            .probe(passed, Instant::now());
+        let cold_start = |up: bool| {
+            b.cold_start
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .probe(up, Instant::now());
+        };
         if passed {
+            cold_start(true);
             b.probe_fails.store(0, Ordering::Relaxed);
             let passes = b.probe_passes.fetch_add(1, Ordering::Relaxed) + 1;
             if passes >= self.health.healthy_after {
@@ -411,6 +414,8 @@ impl Fleet {
             b.probe_passes.store(0, Ordering::Relaxed);
             let fails = b.probe_fails.fetch_add(1, Ordering::Relaxed) + 1;
             if fails >= self.health.unhealthy_after {
+                // One slow probe is not a restart; a replica judged down is.
+                cold_start(false);
                 b.probe_healthy.store(false, Ordering::Relaxed);
             }
         }
