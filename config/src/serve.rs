@@ -634,6 +634,10 @@ pub struct AdmissionConfig {
     /// have finished), instead of `context_tokens`; the cap follows the plan when it moves by more
     /// than 10%.
     pub learn_context: bool,
+    /// Also bound each replica's tokens in flight: the admitted requests' prompt + `max_tokens`
+    /// (512 when unset) stay within `headroom` · its KV tokens, so long requests cannot crowd a
+    /// replica past its cache whatever its sequence cap (a request alone is always admitted).
+    pub token_budget: bool,
     /// Fraction of the KV cache the derived cap plans to fill.
     pub headroom: f64,
     /// Multiplicative cut when the engine preempted.
@@ -665,6 +669,7 @@ impl Default for AdmissionConfig {
             max_in_flight: None,
             context_tokens: 2_300,
             learn_context: true,
+            token_budget: true,
             headroom: 0.9,
             beta: 0.8,
             soft_beta: 0.95,

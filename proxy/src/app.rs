@@ -289,6 +289,7 @@ impl Headroom {
                     route: RouteRequest::default(),
                     record: false,
                     model: None,
+                    max_tokens: None,
                 };
                 self.forward(session, ctx, out, &self.passthrough)
                     .await
@@ -402,6 +403,7 @@ impl Headroom {
             route,
             record: true,
             model: inspected.as_ref().and_then(|i| i.model.as_deref()),
+            max_tokens: inspected.as_ref().and_then(|i| i.max_tokens),
         };
         let ended = self.forward(session, ctx, out, self.policy.as_ref()).await;
         ctx.prompt = inspected.map(|i| PromptFacts {

@@ -102,7 +102,12 @@ pub struct Outgoing<'a> {
     /// The requested model: replicas known not to serve it are skipped, unless none serves it
     /// (then an engine answers the client with its own error).
     pub model: Option<&'a str>,
+    /// The requested output limit.
+    pub max_tokens: Option<i64>,
 }
+
+/// Output tokens the token budget plans for a request that sets no limit.
+pub const UNSET_MAX_TOKENS: u64 = 512;
 
 /// What the proxy removes from, or sets on, each forwarded request's headers.
 #[derive(Debug, Clone)]
@@ -257,6 +262,8 @@ impl Headroom {
                         timeout: Duration::from_millis(
                             class.map_or(30_000, |c| c.queue_timeout_ms),
                         ),
+                        tokens: u64::from(out.route.prompt_tokens)
+                            + out.max_tokens.map_or(UNSET_MAX_TOKENS, |m| m.max(0) as u64),
                     };
                     let mut chosen = None;
                     let acquired = {

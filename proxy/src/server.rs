@@ -520,10 +520,11 @@ impl Generation {
         let sized_by_config = cfg.routing.index_blocks.is_some();
         let scrape_metrics = metrics.clone();
         let scrape_admission = admission.clone();
-        let (plan_context, plan_headroom, learn_context) = (
+        let (plan_context, plan_headroom, learn_context, token_budget) = (
             f64::from(cfg.admission.context_tokens),
             cfg.admission.headroom,
             cfg.admission.learn_context,
+            cfg.admission.token_budget,
         );
         let count_change = {
             let metrics = metrics.clone();
@@ -555,6 +556,9 @@ impl Generation {
                         crate::admission::context::plan(plan_headroom, tokens, context),
                     );
                     count_change(b, change, "context");
+                    if token_budget {
+                        adm.set_token_budget(b.id, Some((plan_headroom * tokens as f64) as u64));
+                    }
                 }
                 let change = adm.on_feedback(
                     b.id,
@@ -820,6 +824,10 @@ fn admin_router(
                     if let Some(a) = &admission {
                         for (b, (cap, admitted)) in backends.iter_mut().zip(a.slots()) {
                             b["admission"] = serde_json::json!({"cap": cap, "in_flight": admitted});
+                        }
+                        for (b, (budget, tokens)) in backends.iter_mut().zip(a.tokens()) {
+                            b["admission"]["token_budget"] = serde_json::json!(budget);
+                            b["admission"]["tokens_in_flight"] = serde_json::json!(tokens);
                         }
                         for (id, b) in backends.iter_mut().enumerate() {
                             b["admission"]["context_tokens"] = serde_json::json!(

@@ -22,6 +22,8 @@ async fn shadowing(
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &[primary, candidate], "least_load");
     cfg.admin_listen = "127.0.0.1:0".into();
     cfg.health.interval_ms = 200;
+    // A probe that times out on a busy test machine must not take a candidate out mid-test.
+    cfg.health.unhealthy_after = 1_000;
     cfg.scrape.interval_ms = 0;
     // A copy to a replica that hangs gives up after this long.
     cfg.timeouts.first_byte_ms = 2_000;

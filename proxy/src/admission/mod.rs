@@ -3,6 +3,9 @@
 //! full) or 503 (deadline passed) and a `Retry-After`. Nothing waits unanswered.
 //!
 //! ```text
+//! room(r, req):    in_flight_r < cap_r, and (token budget on) tokens_r + tokens(req) ≤ budget_r
+//!                  or nothing in flight on r (a request alone is always admitted);
+//!                  tokens(req) = prompt + max_tokens (512 when unset), budget_r = headroom · KV_r
 //! acquire(class):  some replica has room and nobody of equal or higher priority waits
 //!                    → the routing policy picks among replicas with room → a Permit
 //!                  else queue full  → Refused(queue_full, 429)
@@ -51,6 +54,17 @@ struct Slot {
     cap: CapController,
     in_flight: u32,
     context: context::ContextEstimate,
+    /// Prompt + output tokens the admitted requests may come to.
+    tokens: u64,
+    /// The most `tokens` may reach (None: no token budget).
+    token_budget: Option<u64>,
+}
+
+impl Slot {
+    /// Whether a request of `tokens` fits the token budget (one alone always does).
+    fn tokens_fit(&self, tokens: u64) -> bool {
+        self.in_flight == 0 || self.token_budget.is_none_or(|b| self.tokens + tokens <= b)
+    }
 }
 
 #[derive(Debug)]
@@ -76,6 +90,7 @@ pub struct Admission {
 pub struct Permit {
     admission: Arc<Admission>,
     backend: usize,
+    tokens: u64,
 }
 
 impl Drop for Permit {
@@ -83,6 +98,7 @@ impl Drop for Permit {
         let mut g = self.admission.lock();
         let slot = &mut g.slots[self.backend];
         slot.in_flight = slot.in_flight.saturating_sub(1);
+        slot.tokens = slot.tokens.saturating_sub(self.tokens);
         let now = Instant::now();
         if let Some(prev) = g.last_done {
             let dt = now.saturating_duration_since(prev).as_secs_f64().max(1e-3);
@@ -125,6 +141,8 @@ pub struct Ask<'a> {
     pub max_queue: usize,
     /// Longest wait.
     pub timeout: Duration,
+    /// Prompt + output tokens it may come to (the token budget's unit).
+    pub tokens: u64,
 }
 
 /// One replica's admission state, as a pick sees it.
@@ -174,6 +192,8 @@ impl Admission {
                         cap: CapController::new(initial, params),
                         in_flight: 0,
                         context: context::ContextEstimate::default(),
+                        tokens: 0,
+                        token_budget: None,
                     })
                     .collect(),
                 waiters: BTreeMap::new(),
@@ -217,7 +237,7 @@ impl Admission {
                         .slots
                         .iter_mut()
                         .map(|s| Room {
-                            free: s.cap.has_room(s.in_flight),
+                            free: s.cap.has_room(s.in_flight) && s.tokens_fit(ask.tokens),
                             in_flight: s.in_flight,
                             cap: s.cap.cap(),
                         })
@@ -226,12 +246,16 @@ impl Admission {
                         Err(e) => return Err(Err(e)),
                         Ok(Pick::Backend(b)) => {
                             g.slots[b].in_flight += 1;
+                            g.slots[b].tokens += ask.tokens;
                             if let Some(mut e) = entry.take() {
                                 // Left the queue here, under the lock already held.
                                 e.armed = false;
                                 release_queue_entry(&mut g, ask.class);
                                 // Others may fit where this one did not.
-                                let free = g.slots.iter().any(|s| s.cap.fits(s.in_flight));
+                                let free = g
+                                    .slots
+                                    .iter()
+                                    .any(|s| s.cap.fits(s.in_flight) && s.tokens_fit(1));
                                 if free {
                                     wake_first(&mut g, 1);
                                 }
@@ -239,6 +263,7 @@ impl Admission {
                             return Ok(Permit {
                                 admission: self.clone(),
                                 backend: b,
+                                tokens: ask.tokens,
                             });
                         }
                         Ok(Pick::NoRoom) => {}
@@ -302,6 +327,27 @@ impl Admission {
             wake_first(&mut g, (a - b) as usize);
         }
         change
+    }
+
+    /// Sets a replica's token budget (None: none).
+    pub fn set_token_budget(&self, backend: usize, budget: Option<u64>) {
+        let mut g = self.lock();
+        if let Some(s) = g.slots.get_mut(backend) {
+            let grew = budget.is_none_or(|b| s.token_budget.is_some_and(|old| b > old));
+            s.token_budget = budget;
+            if grew {
+                wake_first(&mut g, 1);
+            }
+        }
+    }
+
+    /// Each replica's token budget (None: none) and the tokens its admitted requests may reach.
+    pub fn tokens(&self) -> Vec<(Option<u64>, u64)> {
+        self.lock()
+            .slots
+            .iter()
+            .map(|s| (s.token_budget, s.tokens))
+            .collect()
     }
 
     /// A request the replica served took `tokens` of context (prompt + output).
@@ -407,6 +453,7 @@ mod tests {
             priority,
             max_queue: 2,
             timeout: Duration::from_secs(5),
+            tokens: 100,
         }
     }
 
@@ -562,5 +609,32 @@ mod tests {
         let (n, p) = older.await.unwrap();
         assert_eq!(n, 1);
         assert!(p.is_ok());
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn the_token_budget_admits_by_size_and_a_lone_request_always() {
+        let a = admission(1, 100);
+        a.set_token_budget(0, Some(1_000));
+        let sized = |tokens: u64| Ask {
+            tokens,
+            ..ask("c", 0)
+        };
+        // Far under the cap of 100 sequences, but 600 + 300 fill 900 of the 1,000 tokens.
+        let big = a.acquire(&sized(600), first).await.unwrap();
+        let mid = a.acquire(&sized(300), first).await.unwrap();
+        assert_eq!(a.tokens(), vec![(Some(1_000), 900)]);
+        let a2 = a.clone();
+        let waiting = tokio::spawn(async move { a2.acquire(&sized(200), first).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 1, "200 more do not fit");
+        drop(big);
+        let p = waiting.await.unwrap().unwrap();
+        assert_eq!(a.tokens(), vec![(Some(1_000), 500)]);
+        drop((mid, p));
+        // Alone on the replica, a request larger than the whole budget is still served.
+        let huge = a.acquire(&sized(5_000), first).await.unwrap();
+        drop(huge);
+        assert_eq!(a.tokens(), vec![(Some(1_000), 0)]);
+        assert_eq!(a.slots(), vec![(Some(100), 0)]);
     }
 }

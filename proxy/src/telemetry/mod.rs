@@ -136,6 +136,8 @@ struct AdmissionGauges {
     cap: FloatGaugeVec,
     admitted: FloatGaugeVec,
     queued: FloatGaugeVec,
+    tokens: FloatGaugeVec,
+    token_budget: FloatGaugeVec,
 }
 
 #[derive(Debug)]
@@ -456,6 +458,14 @@ impl Metrics {
                     "headroom_admission_in_flight",
                     "Admission permits held on the replica.",
                 ),
+                tokens: fgauge(
+                    "headroom_admission_tokens_in_flight",
+                    "Prompt + max_tokens of the requests admitted to the replica.",
+                ),
+                token_budget: fgauge(
+                    "headroom_admission_token_budget",
+                    "The most tokens the replica's admitted requests may come to (absent: no budget).",
+                ),
                 queued: FloatGaugeVec::new(
                     Opts::new(
                         "headroom_queue_depth",
@@ -665,6 +675,8 @@ impl Metrics {
             Box::new(m.admission.cap.clone()),
             Box::new(m.admission.admitted.clone()),
             Box::new(m.admission.queued.clone()),
+            Box::new(m.admission.tokens.clone()),
+            Box::new(m.admission.token_budget.clone()),
             Box::new(m.route_seconds.clone()),
             Box::new(m.upstream_cut.clone()),
             Box::new(m.client_aborts.clone()),
@@ -899,6 +911,23 @@ impl Metrics {
                 .admitted
                 .with_label_values(&name)
                 .set(f64::from(admitted));
+        }
+        for (b, (budget, tokens)) in fleet.backends.iter().zip(admission.tokens()) {
+            let name = [b.name.as_str()];
+            self.admission
+                .tokens
+                .with_label_values(&name)
+                .set(tokens as f64);
+            match budget {
+                Some(t) => self
+                    .admission
+                    .token_budget
+                    .with_label_values(&name)
+                    .set(t as f64),
+                None => {
+                    let _ = self.admission.token_budget.remove_label_values(&name);
+                }
+            }
         }
         self.admission.queued.reset();
         for (class, n) in admission.queued() {
