@@ -451,8 +451,12 @@ fn proxy_config(out: &Path, urls: &[String]) -> String {
     text.push_str(&format!(
         "[routing]\npolicy = \"prefix_affinity\"\n\n\
          [admission]\nenabled = true\n\
-         # Caps start at ⌊headroom · KV tokens / context_tokens⌋ per replica, then follow its gauges.\n\
-         context_tokens = 6000\n\n\
+         # Caps start at ⌊headroom · KV tokens / context⌋ per replica (context_tokens until each\n\
+         # replica has learnt the mean of its own requests), then follow its gauges.\n\
+         context_tokens = 6000\n\
+         # Short chat turns and long RAG requests share the interactive replicas (batch borrows\n\
+         # them): a cap in sequences alone cannot tell them apart, a budget in tokens can.\n\
+         token_budget = true\n\n\
          [[pools]]\nname = \"interactive\"\nbackends = [{}]\n\n\
          # Batch may use an interactive replica while that one is under a quarter of its cap.\n\
          [[pools]]\nname = \"batch\"\nbackends = [{}]\nborrow = [\"interactive\"]\nborrow_below = 0.25\n\n\

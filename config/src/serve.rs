@@ -636,7 +636,9 @@ pub struct AdmissionConfig {
     pub learn_context: bool,
     /// Also bound each replica's tokens in flight: the admitted requests' prompt + `max_tokens`
     /// (512 when unset) stay within `headroom` · its KV tokens, so long requests cannot crowd a
-    /// replica past its cache whatever its sequence cap (a request alone is always admitted).
+    /// replica past its cache whatever its sequence cap (a request alone is always admitted). For
+    /// replicas that serve short and long requests at once (a pool that lends to another, a
+    /// long-prompt class); conservative where prompts share a prefix (counted once per request).
     pub token_budget: bool,
     /// Fraction of the KV cache the derived cap plans to fill.
     pub headroom: f64,
@@ -669,7 +671,7 @@ impl Default for AdmissionConfig {
             max_in_flight: None,
             context_tokens: 2_300,
             learn_context: true,
-            token_budget: true,
+            token_budget: false,
             headroom: 0.9,
             beta: 0.8,
             soft_beta: 0.95,

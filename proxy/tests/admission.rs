@@ -157,6 +157,7 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     cfg.admin_listen = "127.0.0.1:0".into();
     cfg.scrape.interval_ms = 50;
     cfg.admission.context_tokens = 1000;
+    cfg.admission.token_budget = true;
     cfg.cost.replica_hour = Some(2.0);
     let p = headroom_proxy::start(cfg.validated().unwrap())
         .await
@@ -182,6 +183,13 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
         .unwrap();
     assert_eq!(resp.status(), 200);
     let stats = common::stats(&p).await;
+    // The token budget is 90% of the replica's KV tokens (999 usable blocks of 16: 15,984); the
+    // request is done, so nothing is held.
+    let adm = &stats["backends"][0]["admission"];
+    assert_eq!(
+        (adm["token_budget"].clone(), adm["tokens_in_flight"].clone()),
+        (json!(14_385), json!(0))
+    );
     let pool = &stats["pools"][0];
     assert_eq!(pool["pool"], "default");
     let u = pool["utilisation_since_start"]
