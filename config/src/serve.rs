@@ -1477,6 +1477,14 @@ impl Validate for ServeConfig {
                 );
                 check(
                     e,
+                    target.is_none_or(|t| t.backends.iter().all(|b| !pool.backends.contains(b))),
+                    &sp,
+                    "pool",
+                    &s.pool,
+                    "shares replicas with this pool: copies would load the replicas that serve",
+                );
+                check(
+                    e,
                     s.fraction > 0.0 && s.fraction <= 1.0,
                     &sp,
                     "fraction",

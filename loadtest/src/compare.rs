@@ -192,9 +192,12 @@ pub fn shadow_comparison(records: &[TraceRecord]) -> Option<ShadowComparison> {
     if pairs.is_empty() && unpaired_shadows == 0 {
         return None;
     }
+    let completed =
+        |r: &TraceRecord| r.status.is_some_and(|s| (200..300).contains(&s)) && r.e2e_ms.is_some();
     let deltas = |f: fn(&TraceRecord) -> Option<f64>| {
         let mut d: Vec<f64> = pairs
             .iter()
+            .filter(|(p, s)| completed(p) && completed(s))
             .filter_map(|(p, s)| Some(f(s)? - f(p)?))
             .collect();
         d.sort_by(f64::total_cmp);
@@ -206,7 +209,8 @@ pub fn shadow_comparison(records: &[TraceRecord]) -> Option<ShadowComparison> {
     }));
     let (p, s): (Vec<&TraceRecord>, Vec<&TraceRecord>) = pairs.iter().copied().unzip();
     Some(ShadowComparison {
-        not_copied: primaries.len() - pairs.len(),
+        // A reused request id can pair one primary with several copies.
+        not_copied: primaries.len().saturating_sub(pairs.len()),
         unpaired_shadows,
         primary: Side::of(&p),
         shadow: Side::of(&s),

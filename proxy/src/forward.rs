@@ -263,7 +263,10 @@ impl Headroom {
                             class.map_or(30_000, |c| c.queue_timeout_ms),
                         ),
                         tokens: u64::from(out.route.prompt_tokens)
-                            + out.max_tokens.map_or(UNSET_MAX_TOKENS, |m| m.max(0) as u64),
+                            + out.max_tokens.map_or(UNSET_MAX_TOKENS, |m| {
+                                // No engine serves more than u32::MAX tokens of output.
+                                m.clamp(0, i64::from(u32::MAX)) as u64
+                            }),
                     };
                     let mut chosen = None;
                     let acquired = {

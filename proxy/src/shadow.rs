@@ -61,6 +61,7 @@ pub struct Shadows {
     block_tokens: u32,
     first_byte: Duration,
     idle: Duration,
+    max_event: usize,
 }
 
 impl std::fmt::Debug for Shadows {
@@ -135,16 +136,22 @@ pub fn sampled(request_id: &str, fraction: f64) -> bool {
 }
 
 /// Counts one waiting copy until dropped.
-struct Waiting<'a> {
-    shadow: &'a Shadow,
+struct Waiting {
+    shadow: Arc<Shadow>,
     gauge: prometheus::IntGauge,
 }
 
-impl Drop for Waiting<'_> {
+impl Drop for Waiting {
     fn drop(&mut self) {
         self.shadow.waiting.fetch_sub(1, Ordering::AcqRel);
         self.gauge.dec();
     }
+}
+
+/// A copy's place: a slot held, or a place in the queue for one.
+enum Slot {
+    Held(OwnedSemaphorePermit),
+    Waiting(Waiting),
 }
 
 /// Counts one copy in flight until dropped.
@@ -193,6 +200,7 @@ impl Shadows {
                 block_tokens,
                 first_byte: Duration::from_millis(cfg.timeouts.first_byte_ms),
                 idle: Duration::from_millis(cfg.timeouts.idle_ms),
+                max_event: cfg.limits.max_event_bytes as usize,
             })
         })
     }
@@ -213,8 +221,8 @@ impl Shadows {
     /// Starts copying `copy` to `shadow`'s candidate pool, unless too many copies already wait.
     pub fn mirror(self: &Arc<Self>, shadow: &Arc<Shadow>, copy: Copy) -> Option<MirrorLink> {
         let m = &self.recorder.metrics.shadow;
-        let permit = match shadow.slots.clone().try_acquire_owned() {
-            Ok(p) => Some(p),
+        let slot = match shadow.slots.clone().try_acquire_owned() {
+            Ok(p) => Slot::Held(p),
             Err(_) => {
                 if shadow.waiting.fetch_add(1, Ordering::AcqRel) >= shadow.cfg.max_queue {
                     shadow.waiting.fetch_sub(1, Ordering::AcqRel);
@@ -223,10 +231,13 @@ impl Shadows {
                         .inc();
                     return None;
                 }
-                m.waiting
-                    .with_label_values(&[shadow.primary.as_str()])
-                    .inc();
-                None
+                let gauge = m.waiting.with_label_values(&[shadow.primary.as_str()]);
+                gauge.inc();
+                // Owned by the task from here: dropped however it ends, even before it runs.
+                Slot::Waiting(Waiting {
+                    shadow: shadow.clone(),
+                    gauge,
+                })
             }
         };
         let (tx, rx) = if shadow.cfg.compare && copy.deterministic {
@@ -235,7 +246,7 @@ impl Shadows {
         } else {
             (None, None)
         };
-        tokio::spawn(self.clone().run(shadow.clone(), copy, permit, rx));
+        tokio::spawn(self.clone().run(shadow.clone(), copy, slot, rx));
         Some(MirrorLink { tx })
     }
 
@@ -243,19 +254,15 @@ impl Shadows {
         self: Arc<Self>,
         shadow: Arc<Shadow>,
         copy: Copy,
-        permit: Option<OwnedSemaphorePermit>,
+        slot: Slot,
         primary: Option<oneshot::Receiver<PrimaryEnd>>,
     ) {
         let start = Instant::now();
         let m = &self.recorder.metrics.shadow;
         let pool = shadow.primary.as_str();
-        let permit = match permit {
-            Some(p) => p,
-            None => {
-                let _waiting = Waiting {
-                    shadow: &shadow,
-                    gauge: m.waiting.with_label_values(&[pool]),
-                };
+        let permit = match slot {
+            Slot::Held(p) => p,
+            Slot::Waiting(_waiting) => {
                 let wait = Duration::from_millis(shadow.cfg.max_wait_ms);
                 match tokio::time::timeout(wait, shadow.slots.clone().acquire_owned()).await {
                     Ok(Ok(p)) => p,
@@ -293,7 +300,7 @@ impl Shadows {
         let (status, completed, timing) = self
             .exchange(&backend, &copy, primary.is_some(), &mut guard, start)
             .await;
-        if status >= 500 || status == 0 {
+        if status >= 500 || status == 0 || (status < 300 && !completed) {
             self.fleet.request_failed(&backend);
         } else {
             self.fleet.request_succeeded(&backend);
@@ -353,15 +360,17 @@ impl Shadows {
         guard: &mut InFlight,
         start: Instant,
     ) -> (u16, bool, ResponseTiming) {
-        let mut req = self
+        let mut headers = copy.headers.clone();
+        if let Some(auth) = &backend.authorization {
+            // Replaces the client's: the replica's own key, as on the primary path.
+            headers.insert(http::header::AUTHORIZATION, auth.clone());
+        }
+        let req = self
             .http
             .post(format!("{}{}", backend.url, copy.path))
-            .headers(copy.headers.clone())
+            .headers(headers)
             .header("x-request-id", copy.request_id.as_str())
             .body(copy.body.clone());
-        if let Some(auth) = &backend.authorization {
-            req = req.header(http::header::AUTHORIZATION, auth.clone());
-        }
         let failed = |status| (status, false, ResponseTiming::default());
         let mut resp = match tokio::time::timeout(self.first_byte, req.send()).await {
             Ok(Ok(r)) => r,
@@ -377,20 +386,30 @@ impl Shadows {
         if digest {
             meter = meter.with_digest();
         }
+        // As on the primary path: the first byte may take the engine's queue and prefill, later
+        // ones only a decode step; an event that never ends is cut.
+        let mut wait = self.first_byte;
         let complete = loop {
-            match tokio::time::timeout(self.idle, resp.chunk()).await {
+            match tokio::time::timeout(wait, resp.chunk()).await {
                 Ok(Ok(Some(chunk))) => {
+                    wait = self.idle;
                     let now = Instant::now();
                     if meter.on_chunk(chunk, now).first_output {
                         guard.first_output();
                     }
                     meter.delivered(now);
+                    if meter.buffered() > self.max_event {
+                        break false;
+                    }
                 }
                 Ok(Ok(None)) => break true,
                 _ => break false,
             }
         };
         meter.finish(Instant::now(), complete);
+        if complete && !is_sse && (200..300).contains(&status) {
+            guard.first_output();
+        }
         let timing = meter.into_timing(start);
         let completed = complete && (200..300).contains(&status) && !timing.error_event;
         (status, completed, timing)

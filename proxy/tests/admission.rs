@@ -32,6 +32,8 @@ fn class(priority: i32, max_queue: usize, queue_timeout_ms: u64) -> ClassConfig 
 async fn proxy(url: String) -> ServeHandle {
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &[url], "least_load");
     cfg.admin_listen = "127.0.0.1:0".into();
+    // A probe that times out on a busy test machine must not take a replica out mid-test.
+    cfg.health.unhealthy_after = 1_000;
     cfg.admission.max_in_flight = Some(1);
     // No engine feedback: the cap stays where it is put.
     cfg.scrape.interval_ms = 0;
@@ -155,6 +157,8 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
     .await;
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &[r.url()], "least_load");
     cfg.admin_listen = "127.0.0.1:0".into();
+    // A probe that times out on a busy test machine must not take a replica out mid-test.
+    cfg.health.unhealthy_after = 1_000;
     cfg.scrape.interval_ms = 50;
     cfg.admission.context_tokens = 1000;
     cfg.admission.token_budget = true;
@@ -217,8 +221,9 @@ async fn the_cap_starts_from_the_engines_kv_capacity() {
             .send()
             .await
             .unwrap();
-        assert_eq!(resp.status(), 200);
-        resp.bytes().await.unwrap();
+        let status = resp.status();
+        let body = resp.text().await.unwrap();
+        assert_eq!(status, 200, "{body}");
     }
     let mut context = 0.0;
     for _ in 0..400 {
@@ -253,6 +258,8 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
     let (a, b) = (sim().await, sim().await);
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &[a.url(), b.url()], "least_load");
     cfg.admin_listen = "127.0.0.1:0".into();
+    // A probe that times out on a busy test machine must not take a replica out mid-test.
+    cfg.health.unhealthy_after = 1_000;
     cfg.scrape.interval_ms = 0;
     cfg.admission.max_in_flight = Some(1);
     cfg.backends[0].name = Some("a".into());
@@ -312,12 +319,15 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
                 req = req.header("x-headroom-class", class);
             }
             let resp = req.send().await.unwrap();
-            let backend = resp.headers()["x-headroom-backend"]
-                .to_str()
-                .unwrap()
-                .to_owned();
+            let Some(backend) = resp.headers().get("x-headroom-backend").cloned() else {
+                panic!(
+                    "no backend: {} {}",
+                    resp.status(),
+                    resp.text().await.unwrap()
+                );
+            };
             resp.bytes().await.unwrap();
-            backend
+            backend.to_str().unwrap().to_owned()
         }
     };
     // One at a time: each class on its own pool; a long prompt without a header is batch work.

@@ -104,9 +104,12 @@ pub fn choice_text(choice: &serde_json::Value) -> String {
         v.and_then(|v| v.get(k)).and_then(serde_json::Value::as_str)
     }
     let inner = choice.get("delta").or_else(|| choice.get("message"));
+    // Engines name the reasoning one way or the other (some both): one of them counts.
+    let reasoning = field(inner, "reasoning_content")
+        .filter(|r| !r.is_empty())
+        .or_else(|| field(inner, "reasoning"));
     [
-        field(inner, "reasoning_content"),
-        field(inner, "reasoning"),
+        reasoning,
         field(inner, "content"),
         field(Some(choice), "text"),
     ]
@@ -125,6 +128,13 @@ impl Fingerprint {
                 diverged_at: None,
             };
         }
+        // A side without pieces (a JSON body) cannot say where the texts part.
+        if self.pieces.is_empty() || other.pieces.is_empty() {
+            return Comparison {
+                exact,
+                diverged_at: None,
+            };
+        }
         let common = self.pieces.len().min(other.pieces.len());
         let first_differing = self
             .pieces
@@ -133,10 +143,13 @@ impl Fingerprint {
             .position(|(a, b)| a != b);
         let diverged_at = match first_differing {
             Some(i) => Some(i),
-            // Identical as far as both go: the shorter one ended (or stopped keeping pieces).
-            None if common > 0 || self.pieces.len() != other.pieces.len() => {
+            // Identical as far as both go and one is longer: they part where the shorter ends
+            // (unless that is where pieces stopped being kept).
+            None if self.pieces.len() != other.pieces.len() => {
                 (common < MAX_PIECES).then_some(common)
             }
+            // Pieces equal throughout but the texts differ: a collision of the short hashes; the
+            // position is unknown.
             None => None,
         };
         Comparison {
@@ -228,6 +241,14 @@ mod tests {
             streamed(&[" a"]).compare(&streamed(&[" b"])).diverged_at,
             Some(0)
         );
+    }
+
+    #[test]
+    fn a_side_without_pieces_has_no_divergence_position() {
+        let mut json = OutputDigest::new();
+        json.whole(" the dog");
+        let c = json.finish().compare(&streamed(&[" the", " cat"]));
+        assert_eq!((c.exact, c.diverged_at), (false, None));
     }
 
     #[test]

@@ -70,6 +70,8 @@ struct EventLite<'a> {
 
 #[derive(Deserialize)]
 struct ChoiceLite<'a> {
+    #[serde(default)]
+    index: Option<u32>,
     #[serde(default, borrow)]
     text: Option<Cow<'a, str>>,
     #[serde(default, borrow)]
@@ -128,11 +130,16 @@ fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
     };
     let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
     let choices = ev.choices.as_deref().unwrap_or_default();
-    if let (Some(digest), Some(first)) = (digest, choices.first()) {
+    let first = choices.iter().find(|c| c.index.unwrap_or(0) == 0);
+    if let (Some(digest), Some(first)) = (digest, first) {
         let delta = first.delta.as_ref();
+        // Engines name the reasoning one way or the other (some both): one of them counts.
+        let reasoning = delta
+            .and_then(|d| d.reasoning_content.as_deref())
+            .filter(|r| !r.is_empty())
+            .or_else(|| delta.and_then(|d| d.reasoning.as_deref()));
         let parts = [
-            delta.and_then(|d| d.reasoning_content.as_deref()),
-            delta.and_then(|d| d.reasoning.as_deref()),
+            reasoning,
             delta.and_then(|d| d.content.as_deref()),
             first.text.as_deref(),
         ];

@@ -63,7 +63,10 @@ struct Slot {
 impl Slot {
     /// Whether a request of `tokens` fits the token budget (one alone always does).
     fn tokens_fit(&self, tokens: u64) -> bool {
-        self.in_flight == 0 || self.token_budget.is_none_or(|b| self.tokens + tokens <= b)
+        self.in_flight == 0
+            || self
+                .token_budget
+                .is_none_or(|b| self.tokens.saturating_add(tokens) <= b)
     }
 }
 
@@ -246,7 +249,7 @@ impl Admission {
                         Err(e) => return Err(Err(e)),
                         Ok(Pick::Backend(b)) => {
                             g.slots[b].in_flight += 1;
-                            g.slots[b].tokens += ask.tokens;
+                            g.slots[b].tokens = g.slots[b].tokens.saturating_add(ask.tokens);
                             if let Some(mut e) = entry.take() {
                                 // Left the queue here, under the lock already held.
                                 e.armed = false;
