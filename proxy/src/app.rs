@@ -684,6 +684,12 @@ impl ProxyHttp for Headroom {
             .set_write_timeout(Some(Duration::from_millis(
                 self.cfg.timeouts.client_write_ms,
             )));
+        // A client that has every byte of a response (a whole JSON body) may send its next
+        // request on the connection before the replica's end of stream reaches the proxy. Without
+        // pipelining the relay's disconnect watch reads that request's first byte, takes it for a
+        // client gone (a 499 in the record), closes the connection and loses the request; with it,
+        // the bytes wait for the next request on this connection (RFC 9112 §9.3.2).
+        session.as_downstream_mut().set_pipelining_enabled(true);
         if let Err(e) = self.handle(session, ctx).await {
             self.metrics
                 .proxy_errors

@@ -611,6 +611,9 @@ impl Headroom {
         tokio::pin!(silence);
         loop {
             tokio::select! {
+                // The replica first: an end of stream that is already there wins over a client
+                // that hung up after reading it.
+                biased;
                 r = up.read_response_body() => match r {
                     Ok(Some(chunk)) => {
                         last_chunk = tokio::time::Instant::now();
@@ -636,6 +639,11 @@ impl Headroom {
                         }
                         // Output instants are when the client's connection got the bytes.
                         meter.delivered(std::time::Instant::now());
+                        if up.response_done() {
+                            // The last bytes (a body of known length): the client may have them
+                            // and hang up at once, which is a finished request, not a lost one.
+                            return Ended::Complete;
+                        }
                     }
                     Ok(None) => return Ended::Complete,
                     Err(_) => return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await,

@@ -309,28 +309,33 @@ impl Shadows {
         drop((guard, flying, permit));
         let mut fields = ShadowFields::default();
         if let Some(rx) = primary {
-            if let Ok(p) = rx.await {
-                if let (true, true, Some(a), Some(b)) =
-                    (p.completed, completed, &p.output, &timing.output)
-                {
-                    let c = a.compare(b);
-                    let diff = timing.output_tokens() as i64 - p.output_tokens as i64;
-                    let result = if c.exact { "match" } else { "mismatch" };
-                    m.compared.with_label_values(&[pool, result]).inc();
-                    if let Some(at) = c.diverged_at {
-                        m.diverged_at
+            let uncompared = |reason: &str| m.uncompared.with_label_values(&[pool, reason]).inc();
+            match rx.await {
+                Err(_) => uncompared("primary_unknown"),
+                Ok(p) if !p.completed => uncompared("primary_failed"),
+                Ok(_) if !completed => uncompared("shadow_failed"),
+                Ok(p) => match (&p.output, &timing.output) {
+                    (Some(a), Some(b)) => {
+                        let c = a.compare(b);
+                        let diff = timing.output_tokens() as i64 - p.output_tokens as i64;
+                        let result = if c.exact { "match" } else { "mismatch" };
+                        m.compared.with_label_values(&[pool, result]).inc();
+                        if let Some(at) = c.diverged_at {
+                            m.diverged_at
+                                .with_label_values(&[pool])
+                                .observe(f64::from(at));
+                        }
+                        m.length_diff
                             .with_label_values(&[pool])
-                            .observe(f64::from(at));
+                            .observe(diff.unsigned_abs() as f64);
+                        fields = ShadowFields {
+                            output_match: Some(c.exact),
+                            diverged_at: c.diverged_at,
+                            length_diff: Some(diff),
+                        };
                     }
-                    m.length_diff
-                        .with_label_values(&[pool])
-                        .observe(diff.unsigned_abs() as f64);
-                    fields = ShadowFields {
-                        output_match: Some(c.exact),
-                        diverged_at: c.diverged_at,
-                        length_diff: Some(diff),
-                    };
-                }
+                    _ => uncompared("no_output"),
+                },
             }
         }
         let _ = self.recorder.finish(Outcome {
@@ -427,6 +432,20 @@ impl Shadow {
             m.compared.with_label_values(&[p, "mismatch"]).get(),
         );
         let compared = matched + mismatched;
+        let uncompared: serde_json::Map<String, serde_json::Value> = [
+            "primary_failed",
+            "shadow_failed",
+            "primary_unknown",
+            "no_output",
+        ]
+        .iter()
+        .map(|r| {
+            (
+                r.to_string(),
+                m.uncompared.with_label_values(&[p, r]).get().into(),
+            )
+        })
+        .collect();
         serde_json::json!({
             "pool": p,
             "target": self.target,
@@ -437,6 +456,7 @@ impl Shadow {
             "waiting": m.waiting.with_label_values(&[p]).get(),
             "compared": compared,
             "matched": matched,
+            "uncompared": uncompared,
             "agreement": (compared > 0).then(|| matched as f64 / compared as f64),
         })
     }

@@ -330,18 +330,34 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
             backend.to_str().unwrap().to_owned()
         }
     };
-    // One at a time: each class on its own pool; a long prompt without a header is batch work.
-    assert_eq!(ask(Some("interactive"), 5, 2).await, "a");
-    assert_eq!(ask(Some("batch"), 5, 2).await, "b");
-    assert_eq!(ask(None, 5, 2).await, "a");
-    assert_eq!(ask(None, 300, 2).await, "b");
-    // The path and the model classify too.
-    let backend_of = |resp: reqwest::Response| {
-        resp.headers()["x-headroom-backend"]
-            .to_str()
-            .unwrap()
-            .to_owned()
+    // The client has every byte of an answer a moment before the proxy releases its permit: one
+    // at a time means after that release, or a request could borrow the other pool's replica.
+    let admission = p.admission().unwrap();
+    let idle = || async {
+        while admission.slots().iter().any(|(_, held)| *held > 0) {
+            tokio::task::yield_now().await;
+        }
     };
+    // One at a time: each class on its own pool; a long prompt without a header is batch work.
+    for (class, words, want) in [
+        (Some("interactive"), 5, "a"),
+        (Some("batch"), 5, "b"),
+        (None, 5, "a"),
+        (None, 300, "b"),
+    ] {
+        idle().await;
+        assert_eq!(ask(class, words, 2).await, want, "{class:?}, {words} words");
+    }
+    // The path and the model classify too.
+    let backend_of = |resp: reqwest::Response| match resp.headers().get("x-headroom-backend") {
+        Some(b) => b.to_str().unwrap().to_owned(),
+        None => panic!(
+            "no backend: {} {:?}",
+            resp.status(),
+            resp.headers().get("x-headroom-error")
+        ),
+    };
+    idle().await;
     let completion = c
         .post(format!("http://{}/v1/completions", p.addr))
         .json(&json!({"prompt": "hi", "max_tokens": 2}))
@@ -349,6 +365,7 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
         .await
         .unwrap();
     assert_eq!(backend_of(completion), "b");
+    idle().await;
     let offline = c
         .post(format!("http://{}/v1/chat/completions", p.addr))
         .json(&json!({"model": "offline-model", "messages": [{"role": "user", "content": "x"}], "max_tokens": 2}))
@@ -356,12 +373,8 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
         .await
         .unwrap();
     assert_eq!(backend_of(offline), "b");
-    // Two batch requests at once: the second borrows the idle interactive replica. (The client
-    // has every byte of the last answer a moment before the proxy releases its permit.)
-    let admission = p.admission().unwrap();
-    while admission.slots().iter().any(|(_, held)| *held > 0) {
-        tokio::task::yield_now().await;
-    }
+    // Two batch requests at once: the second borrows the idle interactive replica.
+    idle().await;
     let (x, y) = tokio::join!(ask(Some("batch"), 5, 40), async {
         // Once the first holds b's only slot.
         while admission.slots()[1].1 == 0 {

@@ -108,10 +108,7 @@ async fn shadow_stats(h: &ServeHandle, done: impl Fn(&Value) -> bool) -> Value {
         }
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
-    panic!(
-        "the shadow counters never settled: {}",
-        stats(h).await["shadow"]
-    );
+    panic!("the shadow counters never settled: {}", stats(h).await);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

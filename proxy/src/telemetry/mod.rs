@@ -209,6 +209,9 @@ pub struct ShadowMetrics {
     pub waiting: prometheus::IntGaugeVec,
     /// Deterministic requests whose outputs were compared, by result (`match`, `mismatch`).
     pub compared: IntCounterVec,
+    /// Deterministic copies not compared, by reason (`primary_failed`, `shadow_failed`,
+    /// `primary_unknown`, `no_output`).
+    pub uncompared: IntCounterVec,
     /// Of mismatches: the first output token that differs.
     pub diverged_at: HistogramVec,
     /// |shadow output tokens − primary output tokens| of compared requests.
@@ -253,6 +256,11 @@ impl ShadowMetrics {
                 "headroom_shadow_compared_total",
                 "Deterministic requests whose primary and shadow outputs were compared, by result (match, mismatch).",
                 &["pool", "result"],
+            ),
+            uncompared: counter(
+                "headroom_shadow_uncompared_total",
+                "Deterministic requests whose outputs could not be compared, by reason: primary_failed, shadow_failed, primary_unknown (the primary ended without a record), no_output.",
+                &["pool", "reason"],
             ),
             diverged_at: tokens(
                 "headroom_shadow_diverged_at_tokens",
@@ -714,6 +722,7 @@ impl Metrics {
             Box::new(m.shadow.in_flight.clone()),
             Box::new(m.shadow.waiting.clone()),
             Box::new(m.shadow.compared.clone()),
+            Box::new(m.shadow.uncompared.clone()),
             Box::new(m.shadow.diverged_at.clone()),
             Box::new(m.shadow.length_diff.clone()),
         ];

@@ -12,6 +12,9 @@ use headroom_workload::trace::{TraceRecord, read_jsonl};
 
 /// Flags of a simulated replica with constant step times (`ttft_ms` for a step with prefill,
 /// `itl_ms` otherwise), room for long prompts, and `extra` flags after those (later flags win).
+/// Engine threads stay at normal priority: an unoptimised test build's engine can fall behind its
+/// modelled steps and then never sleeps, and a real-time thread that never sleeps starves the
+/// proxy, the probes and the client sharing the machine's cores.
 pub fn sim_args(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> SimArgs {
     let (ttft, itl) = (ttft_ms.to_string(), itl_ms.to_string());
     let mut flags = vec![
@@ -23,6 +26,7 @@ pub fn sim_args(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> SimArgs {
         &itl,
         "--max-model-len",
         "200000",
+        "--no-realtime-engine",
     ];
     flags.extend_from_slice(extra);
     SimArgs::from_flags(flags).expect("valid simulator flags")
