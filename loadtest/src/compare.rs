@@ -112,6 +112,11 @@ pub fn runs_agreement(a: &[RequestRow], b: &[RequestRow]) -> Option<OutputAgreem
     })))
 }
 
+/// A 2xx answer relayed to its end.
+fn completed(r: &TraceRecord) -> bool {
+    r.status.is_some_and(|s| (200..300).contains(&s)) && r.e2e_ms.is_some()
+}
+
 /// One side of a shadow comparison.
 #[derive(Debug, Clone, Serialize)]
 pub struct Side {
@@ -136,17 +141,18 @@ impl Side {
         let mut pools: Vec<String> = records.iter().filter_map(|r| r.pool.clone()).collect();
         pools.sort();
         pools.dedup();
-        let ok = |r: &&&TraceRecord| {
-            r.status.is_some_and(|s| (200..300).contains(&s)) && r.e2e_ms.is_some()
-        };
         let dist = |f: fn(&TraceRecord) -> Option<f64>| {
-            let mut v: Vec<f64> = records.iter().filter(ok).filter_map(|r| f(r)).collect();
+            let mut v: Vec<f64> = records
+                .iter()
+                .filter(|r| completed(r))
+                .filter_map(|r| f(r))
+                .collect();
             Dist::of(&mut v)
         };
         Self {
             pools,
             requests: records.len(),
-            completed: records.iter().filter(ok).count(),
+            completed: records.iter().filter(|r| completed(r)).count(),
             good: records.iter().filter(|r| r.good == Some(true)).count(),
             ttft: dist(|r| r.ttft_ms),
             tpot: dist(|r| r.tpot_ms),
@@ -192,8 +198,6 @@ pub fn shadow_comparison(records: &[TraceRecord]) -> Option<ShadowComparison> {
     if pairs.is_empty() && unpaired_shadows == 0 {
         return None;
     }
-    let completed =
-        |r: &TraceRecord| r.status.is_some_and(|s| (200..300).contains(&s)) && r.e2e_ms.is_some();
     let deltas = |f: fn(&TraceRecord) -> Option<f64>| {
         let mut d: Vec<f64> = pairs
             .iter()

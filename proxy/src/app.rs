@@ -357,17 +357,6 @@ impl Headroom {
             },
             _ => body,
         };
-        let facts = |i: &headroom_workload::inspect::Inspected| PromptFacts {
-            endpoint: ctx.route,
-            model: i.model.clone(),
-            stream: i.stream,
-            max_tokens: i.max_tokens,
-            prompt_tokens: i.prompt_tokens,
-            blocks: i.blocks.clone(),
-            tail_hash: i.tail_hash,
-            session: session_key.clone(),
-            long_body: None,
-        };
         if let Some((shadows, shadow)) = self
             .shadows
             .as_ref()
@@ -383,7 +372,9 @@ impl Headroom {
                     .map_or_else(|| path.to_owned(), |p| p.as_str().to_owned()),
                 headers: crate::forward::mirrored_headers(session.req_header(), &self.headers),
                 body: body.clone(),
-                facts: inspected.as_ref().map(facts),
+                facts: inspected
+                    .clone()
+                    .map(|i| PromptFacts::of(ctx.route, i, session_key.clone(), None)),
                 deterministic: inspected.as_ref().is_some_and(|i| i.deterministic),
                 arrival: ctx.arrival,
             };
@@ -406,17 +397,7 @@ impl Headroom {
             max_tokens: inspected.as_ref().and_then(|i| i.max_tokens),
         };
         let ended = self.forward(session, ctx, out, self.policy.as_ref()).await;
-        ctx.prompt = inspected.map(|i| PromptFacts {
-            endpoint: ctx.route,
-            model: i.model,
-            stream: i.stream,
-            max_tokens: i.max_tokens,
-            prompt_tokens: i.prompt_tokens,
-            blocks: i.blocks,
-            tail_hash: i.tail_hash,
-            session: session_key,
-            long_body,
-        });
+        ctx.prompt = inspected.map(|i| PromptFacts::of(ctx.route, i, session_key, long_body));
         match ended? {
             Ended::ClientGone => ctx.status = 499,
             Ended::Complete => ctx.completed = true,

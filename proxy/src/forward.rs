@@ -133,16 +133,22 @@ pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> htt
     let mut out = http::HeaderMap::with_capacity(down.headers.len());
     for (name, value) in &down.headers {
         let n = name.as_str();
-        let dropped = HOP_BY_HOP.contains(&n)
-            || n == rules.class_header
-            || n == "x-request-id"
-            || name == header::AUTHORIZATION && rules.strip_authorization
-            || is_forwarding(n);
-        if !dropped {
+        if rules.forwards(name) && n != "x-request-id" && !is_forwarding(n) {
             out.append(name.clone(), value.clone());
         }
     }
     out
+}
+
+impl HeaderRules {
+    /// Whether a client request header is passed on to a replica.
+    fn forwards(&self, name: &http::HeaderName) -> bool {
+        let n = name.as_str();
+        !(HOP_BY_HOP.contains(&n)
+            || n == self.class_header
+            || (self.strip_authorization && name == header::AUTHORIZATION)
+            || (!self.trust_forwarded && is_forwarding(n)))
+    }
 }
 
 fn upstream_header(
@@ -162,12 +168,7 @@ fn upstream_header(
     let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
         .map_err(bad)?;
     for (name, value) in &down.headers {
-        let n = name.as_str();
-        let dropped = HOP_BY_HOP.contains(&n)
-            || n == rules.class_header
-            || (rules.strip_authorization && name == header::AUTHORIZATION)
-            || (!rules.trust_forwarded && is_forwarding(n));
-        if !dropped {
+        if rules.forwards(name) {
             up.append_header(name.clone(), value.clone()).map_err(bad)?;
         }
     }

@@ -38,6 +38,29 @@ pub struct PromptFacts {
     pub long_body: Option<(headroom_workload::inspect::Endpoint, bytes::Bytes)>,
 }
 
+impl PromptFacts {
+    /// What inspection `i` learnt about a request to `endpoint` carrying the session header
+    /// `session`; `long_body` when the capture must hash the prompt whole.
+    pub fn of(
+        endpoint: &'static str,
+        i: headroom_workload::inspect::Inspected,
+        session: Option<String>,
+        long_body: Option<(headroom_workload::inspect::Endpoint, bytes::Bytes)>,
+    ) -> Self {
+        Self {
+            endpoint,
+            model: i.model,
+            stream: i.stream,
+            max_tokens: i.max_tokens,
+            prompt_tokens: i.prompt_tokens,
+            blocks: i.blocks,
+            tail_hash: i.tail_hash,
+            session,
+            long_body,
+        }
+    }
+}
+
 /// How a finished request is judged.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Verdict {
@@ -70,6 +93,12 @@ fn gap_percentile(sorted: &[Duration], q: f64) -> Option<f64> {
     }
     let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
     Some(ms(sorted[rank - 1]))
+}
+
+/// A response that was `relayed` to its end completed when its status was 2xx and its stream
+/// carried no error event.
+pub fn completed(relayed: bool, status: u16, timing: &ResponseTiming) -> bool {
+    relayed && (200..300).contains(&status) && !timing.error_event
 }
 
 /// The objectives a timing missed, by name.
@@ -130,7 +159,7 @@ pub struct Outcome<'a> {
     pub sent: Option<Instant>,
     /// Status sent to the client (a shadow copy: the candidate's).
     pub status: u16,
-    /// Relayed to its end without an error.
+    /// Relayed to its end with a 2xx status and no error event ([`completed`]).
     pub completed: bool,
     /// The response's measurement.
     pub timing: ResponseTiming,
@@ -167,7 +196,7 @@ impl Recorder {
         let backend = o.backend.unwrap_or("none");
         let shadow = if o.shadow.is_some() { "true" } else { "false" };
         let labels = [pool, class, backend, shadow];
-        let completed = o.completed && (200..300).contains(&o.status) && !timing.error_event;
+        let completed = o.completed;
         let objectives = self.objectives(class);
         let misses = if completed {
             missed(&objectives, &timing)
@@ -338,7 +367,7 @@ impl Headroom {
             .take()
             .map(|m| m.into_timing(ctx.start))
             .unwrap_or_default();
-        let completed = ctx.completed && (200..300).contains(&ctx.status) && !timing.error_event;
+        let completed = completed(ctx.completed, ctx.status, &timing);
         if let Some(link) = ctx.mirror.take() {
             link.primary_ended(completed, &timing);
         }
@@ -353,7 +382,7 @@ impl Headroom {
             dispatched: ctx.dispatched,
             sent: ctx.sent,
             status: ctx.status,
-            completed: ctx.completed,
+            completed,
             timing,
             facts: ctx.prompt.take(),
         });

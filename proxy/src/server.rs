@@ -822,22 +822,22 @@ fn admin_router(
                     let mut backends = metrics.backend_stats(&fleet);
                     let mut queued = serde_json::Value::Null;
                     if let Some(a) = &admission {
-                        for (b, (cap, admitted)) in backends.iter_mut().zip(a.slots()) {
-                            b["admission"] = serde_json::json!({"cap": cap, "in_flight": admitted});
-                        }
-                        for (b, (budget, tokens)) in backends.iter_mut().zip(a.tokens()) {
-                            b["admission"]["token_budget"] = serde_json::json!(budget);
-                            b["admission"]["tokens_in_flight"] = serde_json::json!(tokens);
-                        }
-                        for (id, b) in backends.iter_mut().enumerate() {
-                            b["admission"]["context_tokens"] = serde_json::json!(
-                                a.context(
-                                    id,
-                                    f64::from(cfg.admission.context_tokens),
-                                    cfg.admission.learn_context
-                                )
-                                .round()
+                        let slots = a.slots().into_iter().zip(a.tokens());
+                        for (id, (b, ((cap, admitted), (budget, tokens)))) in
+                            backends.iter_mut().zip(slots).enumerate()
+                        {
+                            let context = a.context(
+                                id,
+                                f64::from(cfg.admission.context_tokens),
+                                cfg.admission.learn_context,
                             );
+                            b["admission"] = serde_json::json!({
+                                "cap": cap,
+                                "in_flight": admitted,
+                                "token_budget": budget,
+                                "tokens_in_flight": tokens,
+                                "context_tokens": context.round(),
+                            });
                         }
                         queued = serde_json::json!(a.queued());
                     }

@@ -416,7 +416,7 @@ impl Shadows {
             guard.first_output();
         }
         let timing = meter.into_timing(start);
-        let completed = complete && (200..300).contains(&status) && !timing.error_event;
+        let completed = crate::record::completed(complete, status, &timing);
         (status, completed, timing)
     }
 }

@@ -130,23 +130,8 @@ fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
     };
     let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
     let choices = ev.choices.as_deref().unwrap_or_default();
-    let first = choices.iter().find(|c| c.index.unwrap_or(0) == 0);
-    if let (Some(digest), Some(first)) = (digest, first) {
-        let delta = first.delta.as_ref();
-        // Engines name the reasoning one way or the other (some both): one of them counts.
-        let reasoning = delta
-            .and_then(|d| d.reasoning_content.as_deref())
-            .filter(|r| !r.is_empty())
-            .or_else(|| delta.and_then(|d| d.reasoning.as_deref()));
-        let parts = [
-            reasoning,
-            delta.and_then(|d| d.content.as_deref()),
-            first.text.as_deref(),
-        ];
-        let text: String = parts.into_iter().flatten().collect();
-        if !text.is_empty() {
-            digest.event(&text);
-        }
+    if let Some(digest) = digest {
+        digest_choice_zero(digest, choices);
     }
     let output = choices.iter().any(|c| {
         nonempty(&c.text)
@@ -167,6 +152,28 @@ fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
             .find_map(|c| c.finish_reason.as_deref().map(str::to_owned)),
         error: ev.error.is_some(),
         done: false,
+    }
+}
+
+/// Adds choice 0's output text in one stream event to `digest`.
+fn digest_choice_zero(digest: &mut OutputDigest, choices: &[ChoiceLite<'_>]) {
+    let Some(first) = choices.iter().find(|c| c.index.unwrap_or(0) == 0) else {
+        return;
+    };
+    let delta = first.delta.as_ref();
+    // Engines name the reasoning one way or the other (some both): one of them counts.
+    let reasoning = delta
+        .and_then(|d| d.reasoning_content.as_deref())
+        .filter(|r| !r.is_empty())
+        .or_else(|| delta.and_then(|d| d.reasoning.as_deref()));
+    let parts = [
+        reasoning,
+        delta.and_then(|d| d.content.as_deref()),
+        first.text.as_deref(),
+    ];
+    let text: String = parts.into_iter().flatten().collect();
+    if !text.is_empty() {
+        digest.event(&text);
     }
 }
 

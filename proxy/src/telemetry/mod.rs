@@ -904,39 +904,26 @@ impl Metrics {
 
     /// Reads admission state into its gauges.
     pub fn refresh_admission(&self, fleet: &Fleet, admission: &crate::admission::Admission) {
-        for (b, (cap, admitted)) in fleet.backends.iter().zip(admission.slots()) {
+        let slots = admission.slots().into_iter().zip(admission.tokens());
+        for (b, ((cap, admitted), (budget, tokens))) in fleet.backends.iter().zip(slots) {
             let name = [b.name.as_str()];
-            match cap {
-                Some(c) => self
-                    .admission
-                    .cap
-                    .with_label_values(&name)
-                    .set(f64::from(c)),
+            // A gauge with no value yet is absent rather than 0.
+            let set_or_remove = |g: &FloatGaugeVec, v: Option<f64>| match v {
+                Some(v) => g.with_label_values(&name).set(v),
                 None => {
-                    let _ = self.admission.cap.remove_label_values(&name);
+                    let _ = g.remove_label_values(&name);
                 }
-            }
+            };
+            set_or_remove(&self.admission.cap, cap.map(f64::from));
+            set_or_remove(&self.admission.token_budget, budget.map(|t| t as f64));
             self.admission
                 .admitted
                 .with_label_values(&name)
                 .set(f64::from(admitted));
-        }
-        for (b, (budget, tokens)) in fleet.backends.iter().zip(admission.tokens()) {
-            let name = [b.name.as_str()];
             self.admission
                 .tokens
                 .with_label_values(&name)
                 .set(tokens as f64);
-            match budget {
-                Some(t) => self
-                    .admission
-                    .token_budget
-                    .with_label_values(&name)
-                    .set(t as f64),
-                None => {
-                    let _ = self.admission.token_budget.remove_label_values(&name);
-                }
-            }
         }
         self.admission.queued.reset();
         for (class, n) in admission.queued() {
