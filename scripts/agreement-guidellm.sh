@@ -32,7 +32,8 @@
 #
 # Environment: GUIDELLM_VENV (default .cache/guidellm-venv), PYTHON (default
 # python3, only to create the venv), HEADROOM_BIN (default
-# target/release/headroom), TOLERANCE_PCT (default 5).
+# target/release/headroom), TOLERANCE_PCT (default 5), PIN (1: the simulator on a
+# core of its own, the two clients on the others; scripts/pin.sh).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -56,6 +57,8 @@ PROMPT_TOKENS=${PROMPT_TOKENS:-256} # by the local tokenizer; the simulator coun
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-64}
 SIM_ARGS=(sim --host 127.0.0.1 --port 0 --served-model-name "$MODEL_NAME")
 
+# PIN=1 (scripts/pin.sh, through guidellm-common.sh): the simulator on a core of its own, guidellm
+# and headroom replay on the others.
 source scripts/guidellm-common.sh
 command -v timeout >/dev/null || die "timeout (coreutils) is required"
 guidellm_setup
@@ -65,7 +68,7 @@ start_sim
 
 # --- 3. guidellm ---------------------------------------------------------------
 log "guidellm: constant $RATE req/s, $REQUESTS requests, ${PROMPT_TOKENS}/${OUTPUT_TOKENS} tokens -> $ENDPOINT"
-if ! timeout 300 env -u GUIDELLM_VENV "$VENV/bin/guidellm" run \
+if ! "${load_on[@]}" timeout 300 env -u GUIDELLM_VENV "$VENV/bin/guidellm" run \
     --backend "kind=openai_http,target=$URL,model=$MODEL_NAME,request_format=$ENDPOINT" \
     --profile "kind=constant,rate=$RATE" \
     --constraint "kind=max_requests,count=$REQUESTS" \
@@ -109,7 +112,7 @@ EOF
 # --- 5. headroom replay against the same simulator ----------------------------------
 kill -0 "$SIM_PID" 2>/dev/null || die "the simulator stopped (see $OUT_DIR/sim.log)"
 log "headroom replay: $OUT_DIR/trace.jsonl at its timestamps -> $ENDPOINT"
-timeout 300 "$HEADROOM" replay --trace "$OUT_DIR/trace.jsonl" --target "$URL" \
+"${load_on[@]}" timeout 300 "$HEADROOM" replay --trace "$OUT_DIR/trace.jsonl" --target "$URL" \
   --endpoint completions --model "$MODEL_NAME" --time-scale 1 --timeout 60 \
   --out "$OUT_DIR/replay" >"$OUT_DIR/replay.log" 2>&1 \
   || { cat "$OUT_DIR/replay.log" >&2; die "headroom replay failed"; }

@@ -13,14 +13,17 @@ wait_line() {
   exit 1
 }
 
-# start_sims N URL_FILE [FLAG...]: starts N simulated replicas (one `headroom sim` process, $bin) on
-# ephemeral ports, their URLs one per line in URL_FILE and their log beside it; waits up to 10 s.
+# start_sims N URL_FILE [FLAG...]: starts N simulated replicas (one `headroom sim` process, $bin, on
+# the system-under-test cores with PIN=1) on ephemeral ports, their URLs one per line in URL_FILE and their log beside it; waits up to 10 s.
 start_sims() {
   local n=$1 file=$2
   shift 2
-  "$bin" sim --replicas "$n" --port 0 "$@" >"$file" 2>"${file%.url}.log" &
+  "${sut_on[@]}" "$bin" sim --replicas "$n" --port 0 "$@" >"$file" 2>"${file%.url}.log" &
   pids+=($!)
   for _ in $(seq 200); do [ "$(grep -c http "$file" 2>/dev/null)" = "$n" ] && return 0; sleep 0.05; done
   echo "the simulator did not start: see ${file%.url}.log" >&2
   exit 1
 }
+
+
+source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"

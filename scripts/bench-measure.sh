@@ -10,7 +10,9 @@
 #      same offline ideal hit rate;
 #   3. with guidellm installed (GUIDELLM=1, docs/guidellm.md), guidellm 0.8.1 runs through the proxy
 #      and its TTFT/TPOT percentiles are set beside the proxy's capture of the same requests.
-# Loopback only; bounded by ROWS.
+# Loopback only; bounded by ROWS. PIN=1 (scripts/pin.sh) puts the proxy and the replicas on a core
+# of their own and the clients on the others, so that the client's own scheduling delays, which no
+# proxy can see, leave the comparison. LIGHT_ONLY=1 stops after the light-load agreement.
 #
 #   ROWS=300 scripts/bench-measure.sh
 set -euo pipefail
@@ -42,7 +44,7 @@ run() {
   local name=$1 trace=$2 dir="$OUT/$1"
   mkdir -p "$dir"
   for u in $(cat "$OUT/sims.url"); do curl -sf -X POST "$u/reset_prefix_cache" >/dev/null; done
-  $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" \
+  "${sut_on[@]}" $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" \
     --capture "$dir/capture.jsonl" >"$dir/serve.url" 2>"$dir/serve.log" &
   local serve=$!
   wait_line "$dir/serve.log" "admin http"
@@ -50,8 +52,8 @@ run() {
   proxy=$(grep -m1 http "$dir/serve.url")
   admin=$(grep -o 'admin http://[0-9.:]*' "$dir/serve.log" | cut -d' ' -f2)
   echo "== $name: replay $trace through $proxy" >&2
-  $bin replay --trace "$trace" --time-scale "$TIME_SCALE" --target "$proxy" --endpoint chat \
-    --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve (prefix_affinity, capture on)" \
+  "${load_on[@]}" $bin replay --trace "$trace" --time-scale "$TIME_SCALE" --target "$proxy" --endpoint chat \
+    --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve (prefix_affinity, capture on); $placement" \
     --out "$dir" >"$dir/replay.txt"
   curl -sf "$admin/stats" >"$dir/stats.json"
   # SIGTERM: the proxy flushes its capture before it exits.
@@ -64,6 +66,10 @@ $bin trace synth --contract rag --requests "${LIGHT_REQUESTS:-150}" --rate 3 --s
 run light "$OUT/rag.jsonl"
 $bin report agreement --result "$OUT/light/result.json" --capture "$OUT/light/capture.jsonl" \
   --json "$OUT/agreement-light.json" | tee "$OUT/agreement-light.txt"
+if [ "${LIGHT_ONLY:-0}" = 1 ]; then
+  echo "LIGHT_ONLY=1: stopping after the light-load agreement ($OUT/agreement-light.txt)" >&2
+  exit 0
+fi
 run first "$slice"
 $bin report agreement --result "$OUT/first/result.json" --capture "$OUT/first/capture.jsonl" \
   --json "$OUT/agreement.json" | tee "$OUT/agreement.txt"
@@ -98,7 +104,7 @@ if [ "$GUIDELLM" = 1 ]; then
   [ -x "$GUIDELLM_VENV/bin/guidellm" ] || { echo "guidellm not installed: run scripts/guidellm-run.sh first" >&2; exit 2; }
   dir="$OUT/guidellm"
   mkdir -p "$dir"
-  $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" \
+  "${sut_on[@]}" $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$urls" \
     --capture "$dir/capture.jsonl" >"$dir/serve.url" 2>"$dir/serve.log" &
   serve=$!
   wait_line "$dir/serve.log" "admin http"
@@ -106,7 +112,7 @@ if [ "$GUIDELLM" = 1 ]; then
   model=$(curl -sf "$proxy/v1/models" | python3 -c 'import json,sys; print(json.load(sys.stdin)["data"][0]["id"])')
   echo "== guidellm through $proxy" >&2
   HF_HUB_OFFLINE=1 TRANSFORMERS_OFFLINE=1 HF_DATASETS_OFFLINE=1 HF_HUB_DISABLE_TELEMETRY=1 \
-    timeout 600 "$GUIDELLM_VENV/bin/guidellm" run \
+    "${load_on[@]}" timeout 600 "$GUIDELLM_VENV/bin/guidellm" run \
     --backend "kind=openai_http,target=$proxy,model=$model,request_format=/v1/chat/completions" \
     --profile "kind=constant,rate=${GUIDELLM_RATE:-4}" \
     --constraint "kind=max_requests,count=${GUIDELLM_REQUESTS:-200}" \

@@ -7,6 +7,11 @@
 # relayed chunk (from /proc, all of its processes and threads). Loopback only; bounded by DURATION.
 #
 #   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2 CAPTURE=1
+#   PIN=1 scripts/bench-overhead.sh              # each proxy on a core of its own (bench-common.sh)
+#
+# With PIN=1 the system under test is the proxy (one worker per pinned core; nginx alike), and the
+# replica runs beside the load generator: what a proxy adds is then its own work and hop, not
+# run-queue waits behind the load generator and the replica.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 RATE=${RATE:-200}
@@ -39,7 +44,7 @@ PY
 
 source scripts/bench-common.sh
 
-$bin sim --port 0 --latency-model constant --time-to-first-token "$TTFT_MS" \
+"${load_on[@]}" $bin sim --port 0 --latency-model constant --time-to-first-token "$TTFT_MS" \
   --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
   >"$OUT/sim.url" 2>"$OUT/sim.log" &
 pids+=($!)
@@ -52,7 +57,7 @@ sim_hostport=${sim#http://}
 capture_flags=()
 [ "${CAPTURE:-1}" = 1 ] && capture_flags=(--capture "$OUT/capture.jsonl")
 rm -f "$OUT/capture.jsonl"
-$bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" "${capture_flags[@]}" \
+"${sut_on[@]}" $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" "${capture_flags[@]}" \
   >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
 headroom_pid=$!
 pids+=($headroom_pid)
@@ -63,7 +68,7 @@ nginx_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0
 ndir=$(cd "$OUT" && pwd)/nginx
 mkdir -p "$ndir/logs"
 cat >"$ndir/nginx.conf" <<EOF
-worker_processes auto;
+worker_processes $sut_workers;
 error_log $ndir/logs/error.log warn;
 pid $ndir/nginx.pid;
 events { worker_connections 8192; }
@@ -85,7 +90,7 @@ http {
   }
 }
 EOF
-"$NGINX" -p "$ndir" -c "$ndir/nginx.conf" -g 'daemon off;' 2>"$ndir/logs/stderr.log" &
+"${sut_on[@]}" "$NGINX" -p "$ndir" -c "$ndir/nginx.conf" -g 'daemon off;' 2>"$ndir/logs/stderr.log" &
 nginx_pid=$!
 pids+=($nginx_pid)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$nginx_port/health" >/dev/null && break; sleep 0.05; done
@@ -101,6 +106,14 @@ cpu_of() {
   echo "$total"
 }
 
+# The replica's own TTFT (from its arrival to its first token: vllm:time_to_first_token_seconds), sum
+# and count. A hop's delay can also move a request to another engine step; the difference between
+# the client's added TTFT and the engine's is the proxy's own share.
+engine_ttft() {
+  curl -sf "$sim/metrics" | awk '/^vllm:time_to_first_token_seconds_sum/ {s += $NF}
+    /^vllm:time_to_first_token_seconds_count/ {c += $NF} END {print s + 0, c + 0}'
+}
+
 for round in $(seq "$ROUNDS"); do
   for config in direct headroom nginx; do
     case $config in
@@ -110,21 +123,24 @@ for round in $(seq "$ROUNDS"); do
     esac
     dir="$OUT/$config-$round"
     before=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
+    engine_before=$(engine_ttft)
     echo "== round $round: $config ($url)" >&2
-    $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
+    "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
       --seed 7 --hardware "headroom sim, constant ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
     after=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
     echo "$(( after - before ))" >"$dir/cpu_ticks"
+    echo "$engine_before $(engine_ttft)" >"$dir/engine_ttft"
   done
 done
 
-python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" <<'PY'
+python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement" <<'PY'
 import json, sys
 out, rounds, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rate, tokens, duration = sys.argv[4], sys.argv[5], sys.argv[6]
 def load(config):
     ttft, itl, chunks, cpu, failed = {}, {}, 0, 0, 0
+    engine_s, engine_n = 0.0, 0
     runs = []
     for r in range(1, rounds + 1):
         d = json.load(open(f"{out}/{config}-{r}/result.json"))
@@ -133,14 +149,18 @@ def load(config):
         # Each completed stream relays one event per token and [DONE].
         chunks += sum((x["completion_tokens"] or 0) + 1 for x in d["requests"] if not x.get("error_kind"))
         cpu += int(open(f"{out}/{config}-{r}/cpu_ticks").read())
+        s0, n0, s1, n1 = map(float, open(f"{out}/{config}-{r}/engine_ttft").read().split())
+        engine_s, engine_n = engine_s + s1 - s0, engine_n + n1 - n0
         failed += s["failed"]
     mean = lambda k, p: sum(s[k][p] for s in runs) / len(runs)
     return {"ttft_p50": mean("ttft", "p50_ms"), "ttft_p99": mean("ttft", "p99_ms"),
+            "ttft_mean": mean("ttft", "mean_ms"), "engine_ttft_mean": 1e3 * engine_s / max(engine_n, 1),
             "itl_p50": mean("itl", "p50_ms"), "itl_p99": mean("itl", "p99_ms"),
             "chunks": chunks, "cpu_s": cpu / hz, "failed": failed}
 res = {c: load(c) for c in ("direct", "headroom", "nginx")}
 d = res["direct"]
-lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved", "",
+pinned = sys.argv[7]
+lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved; {pinned}", "",
          "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for c, r in res.items():
@@ -148,6 +168,16 @@ for c, r in res.items():
     added_itl = "" if c == "direct" else f"{r['itl_p99']-d['itl_p99']:+.2f}"
     cpu = "" if c == "direct" else f"{1e6*r['cpu_s']/max(r['chunks'],1):.2f}"
     lines.append(f"| {c} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['itl_p50']:.2f} | {r['itl_p99']:.2f} | {added} | {added_itl} | {cpu} | {r['failed']} |")
+lines += ["", "Where the added mean TTFT goes: the replica's own TTFT (arrival to first token) moves when a hop's",
+          "delay puts a request into another engine step; the rest is the proxy's hop.", "",
+          "| path | client TTFT mean ms | replica TTFT mean ms | added at the client | added at the replica | the hop's own |",
+          "|---|---:|---:|---:|---:|---:|"]
+for c, r in res.items():
+    if c == "direct":
+        lines.append(f"| {c} | {r['ttft_mean']:.2f} | {r['engine_ttft_mean']:.2f} | | | |")
+        continue
+    at_client, at_engine = r["ttft_mean"] - d["ttft_mean"], r["engine_ttft_mean"] - d["engine_ttft_mean"]
+    lines.append(f"| {c} | {r['ttft_mean']:.2f} | {r['engine_ttft_mean']:.2f} | {at_client:+.2f} | {at_engine:+.2f} | {at_client - at_engine:+.2f} |")
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]

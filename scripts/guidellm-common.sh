@@ -29,7 +29,9 @@ guidellm_setup() {
   "$PY" scripts/make_tokenizer.py "$TOKENIZER_DIR" >&2
 }
 
-# Starts "$HEADROOM" "${SIM_ARGS[@]}", stops it on exit, waits for /health 200. Sets URL and SIM_PID.
+source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"
+
+# Starts "$HEADROOM" "${SIM_ARGS[@]}" (on the system-under-test cores with PIN=1), stops it on exit, waits for /health 200. Sets URL and SIM_PID.
 start_sim() {
   mkdir -p "$OUT_DIR"
   SIM_STDOUT="$(mktemp)"
@@ -38,7 +40,7 @@ start_sim() {
   trap 'exit 130' INT
   trap 'exit 143' TERM
   log "starting $HEADROOM ${SIM_ARGS[*]}"
-  "$HEADROOM" "${SIM_ARGS[@]}" >"$SIM_STDOUT" 2>"$OUT_DIR/sim.log" &
+  "${sut_on[@]}" "$HEADROOM" "${SIM_ARGS[@]}" >"$SIM_STDOUT" 2>"$OUT_DIR/sim.log" &
   SIM_PID=$!
   URL=""
   for _ in $(seq 100); do  # up to 10 s for the URL line

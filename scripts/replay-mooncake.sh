@@ -3,7 +3,9 @@
 # and checks what docs/benchmarks.md records: every request's usage.prompt_tokens equals its
 # input_length, the replica's prefix-cache hit rate agrees with the one the hash ids imply for the
 # same cache size, and how punctually requests were sent. Loopback only; about 11 minutes at
-# TIME_SCALE=1 (the trace's own pace).
+# TIME_SCALE=1 (the trace's own pace). PIN=1 puts the replica on a core of its own and the replay
+# on the others (scripts/pin.sh), so that a burst's prompts being read by the replica do not delay
+# the sends.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${ROWS:-2000}
@@ -14,16 +16,17 @@ OUT=${OUT:-results/replay-mooncake}
 mkdir -p "$OUT"
 [ -f "$TRACE" ] || { echo "trace not found: $TRACE" >&2; exit 2; }
 cargo build --release --locked -q
+source scripts/pin.sh
 # Constant step times keep one replica ahead of the trace; the checks are about lengths, caching
 # and send times, not speed.
-target/release/headroom sim --port 0 --latency-model constant --time-to-first-token 2 \
+"${sut_on[@]}" target/release/headroom sim --port 0 --latency-model constant --time-to-first-token 2 \
   --inter-token-latency 1 --num-gpu-blocks "$BLOCKS" >"$OUT/sim.url" 2>"$OUT/sim.log" &
 sim=$!
 trap 'kill -INT $sim 2>/dev/null || true; wait $sim 2>/dev/null || true' EXIT
 for _ in $(seq 100); do grep -q http "$OUT/sim.url" 2>/dev/null && break; sleep 0.1; done
 url=$(grep -m1 http "$OUT/sim.url")
-target/release/headroom replay --trace "$TRACE" --max-requests "$ROWS" --time-scale "$TIME_SCALE" \
-  --target "$url" --hardware "headroom sim, constant 2 ms/1 ms steps, $BLOCKS KV blocks" --out "$OUT"
+"${load_on[@]}" target/release/headroom replay --trace "$TRACE" --max-requests "$ROWS" --time-scale "$TIME_SCALE" \
+  --target "$url" --hardware "headroom sim, constant 2 ms/1 ms steps, $BLOCKS KV blocks; $placement" --out "$OUT"
 python3 - "$OUT/result.json" <<'PY'
 import json, sys
 d = json.load(open(sys.argv[1]))
