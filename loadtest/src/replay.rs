@@ -325,6 +325,9 @@ async fn open_loop(
         std::thread::Builder::new()
             .name("replay-build".into())
             .spawn(move || {
+                // Bodies are built up to LOOKAHEAD ahead, so the builder can wait: it must not
+                // take the core from the sends of a burst (each send frees a place it refills).
+                headroom_workload::realtime::lower_current_thread();
                 for (index, at) in offsets.into_iter().enumerate() {
                     if deadline.is_some_and(|d| shared.start + at > d) {
                         break;
