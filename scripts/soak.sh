@@ -10,6 +10,10 @@
 # Capacity: each simulated replica runs at most MAX_SEQS sequences with constant step times
 # (TTFT_MS for a step with prefill, ITL_MS otherwise), so it completes MAX_SEQS / (request time)
 # requests per second; the load is LOAD of that over REPLICAS replicas, Poisson.
+# vLLM's own default is 256 sequences: MAX_SEQS=256 ITL_MS=100 keeps this machine's event rate near
+# the default run's while the engines' queue stops forming at 80% (docs/reliability.md#soak). The
+# client waits TIMEOUT seconds (default: twice the longest answer's unqueued time, at least 120) and
+# the SLO's TPOT is SLO_TPOT_MS (default: twice ITL_MS).
 #
 # Tail stability: with REPEAT_EVERY=S the arrival pattern and lengths of the first S seconds repeat
 # for the whole run (each repetition with fresh prompt text, so no cache carries over), so the first
@@ -48,16 +52,21 @@ trap soak_cleanup EXIT
 
 # The chat contract (short prompts, long heavy-tailed answers), enough rows for the whole run.
 $bin trace synth --contract chat --requests 200000 --rate 10 --seed "$SEED" -o "$OUT/pool.jsonl" >/dev/null
-read -r mean_out rate rows < <(python3 - "$OUT/pool.jsonl" "$MAX_SEQS" "$TTFT_MS" "$ITL_MS" "$REPLICAS" "$LOAD" "$DURATION" <<'PY'
-import json, sys
+read -r mean_out rate rows longest_s < <(python3 - "$OUT/pool.jsonl" "$MAX_SEQS" "$TTFT_MS" "$ITL_MS" "$REPLICAS" "$LOAD" "$DURATION" <<'PY'
+import json, math, sys
 path, seqs, ttft, itl, n, load, duration = sys.argv[1], *map(float, sys.argv[2:])
 outs = [json.loads(l)["output_length"] for l in open(path)]
 mean_out = sum(outs) / len(outs)
 request_s = (ttft + itl * (mean_out - 1)) / 1000
 rate = load * n * seqs / request_s
-print(round(mean_out, 1), round(rate, 3), int(rate * duration * 1.1) + 100)
+longest_s = (ttft + itl * (max(outs) - 1)) / 1000
+print(round(mean_out, 1), round(rate, 3), int(rate * duration * 1.1) + 100, math.ceil(longest_s))
 PY
 )
+# The client waits for the longest answer the contract holds (twice its unqueued time), so that a
+# slow engine's long answers are not counted as unanswered; the SLO's TPOT is twice the engine's.
+TIMEOUT=${TIMEOUT:-$((longest_s * 2 > 120 ? longest_s * 2 : 120))}
+SLO_TPOT_MS=${SLO_TPOT_MS:-$((ITL_MS * 2))}
 if [ "$REPEAT_EVERY" -gt 0 ]; then
   # The pool's own Poisson timestamps are at 10 req/s: respace the first segment at the soak's rate,
   # then repeat it with the hash ids moved past every earlier repetition's.
@@ -179,7 +188,7 @@ if [ "$KILL_EVERY" -gt 0 ]; then
 fi
 
 $bin replay --trace "$OUT/trace.jsonl" --target "$proxy" "${load_flags[@]}" --duration "$DURATION" \
-  --seed "$SEED" --timeout 120 --slo ttft=2000,tpot=50 \
+  --seed "$SEED" --timeout "$TIMEOUT" --slo "ttft=2000,tpot=$SLO_TPOT_MS" \
   --hardware "headroom sim: $REPLICAS constant-latency replicas (TTFT ${TTFT_MS} ms, ITL ${ITL_MS} ms, ${MAX_SEQS} seqs), behind headroom serve" \
   --out "$OUT" >"$OUT/replay.txt"
 sleep 5
@@ -199,6 +208,9 @@ def p99(window):
 first = [r for r in ok if float(r["scheduled_ms"]) < 300_000]
 last = [r for r in ok if float(r["scheduled_ms"]) >= (duration - 300) * 1000]
 rss = [(float(r["elapsed_s"]), float(r["rss_kb"]), float(r.get("index_blocks") or 0)) for r in csv.DictReader(open(f"{out}/rss.csv")) if r["rss_kb"]]
+# Under load only: the answers still streaming after DURATION (minutes, for long ones) drain the
+# proxy's buffers, and memory that falls then says nothing about growth while it works.
+rss = [x for x in rss if x[0] <= duration] or rss
 after = [x for x in rss if x[0] >= 600] or rss
 growth = (after[-1][1] - after[0][1]) / 1024 / max((after[-1][0] - after[0][0]) / 600, 1e-9)
 last10 = [x for x in rss if x[0] >= rss[-1][0] - 600]
