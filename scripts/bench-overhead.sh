@@ -159,8 +159,8 @@ def load(config):
             "chunks": chunks, "cpu_s": cpu / hz, "failed": failed}
 res = {c: load(c) for c in ("direct", "headroom", "nginx")}
 d = res["direct"]
-pinned = sys.argv[7]
-lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved; {pinned}", "",
+placement = sys.argv[7]
+lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved; {placement}", "",
          "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for c, r in res.items():

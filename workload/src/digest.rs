@@ -97,25 +97,32 @@ impl OutputDigest {
     }
 }
 
-/// A choice's output text, as a JSON value: reasoning, then content (of `delta` in a stream
-/// chunk, of `message` in a whole body), then completion `text`.
+/// A choice's output text, as a JSON value: of `delta` in a stream chunk, of `message` in a whole
+/// body ([`output_text`]).
 pub fn choice_text(choice: &serde_json::Value) -> String {
     fn field<'a>(v: Option<&'a serde_json::Value>, k: &str) -> Option<&'a str> {
         v.and_then(|v| v.get(k)).and_then(serde_json::Value::as_str)
     }
     let inner = choice.get("delta").or_else(|| choice.get("message"));
-    // Engines name the reasoning one way or the other (some both): one of them counts.
-    let reasoning = field(inner, "reasoning_content")
-        .filter(|r| !r.is_empty())
-        .or_else(|| field(inner, "reasoning"));
-    [
-        reasoning,
+    output_text(
+        field(inner, "reasoning_content"),
+        field(inner, "reasoning"),
         field(inner, "content"),
         field(Some(choice), "text"),
-    ]
-    .into_iter()
-    .flatten()
-    .collect()
+    )
+}
+
+/// The output text of one choice from its fields, in the order an engine produces it: the
+/// reasoning, then the content, then a completion's `text`. Engines name the reasoning
+/// `reasoning_content` or `reasoning` (some send both): one of them counts.
+pub fn output_text(
+    reasoning_content: Option<&str>,
+    reasoning: Option<&str>,
+    content: Option<&str>,
+    text: Option<&str>,
+) -> String {
+    let reasoning = reasoning_content.filter(|r| !r.is_empty()).or(reasoning);
+    [reasoning, content, text].into_iter().flatten().collect()
 }
 
 impl Fingerprint {

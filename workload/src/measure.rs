@@ -161,17 +161,12 @@ fn digest_choice_zero(digest: &mut OutputDigest, choices: &[ChoiceLite<'_>]) {
         return;
     };
     let delta = first.delta.as_ref();
-    // Engines name the reasoning one way or the other (some both): one of them counts.
-    let reasoning = delta
-        .and_then(|d| d.reasoning_content.as_deref())
-        .filter(|r| !r.is_empty())
-        .or_else(|| delta.and_then(|d| d.reasoning.as_deref()));
-    let parts = [
-        reasoning,
+    let text = crate::digest::output_text(
+        delta.and_then(|d| d.reasoning_content.as_deref()),
+        delta.and_then(|d| d.reasoning.as_deref()),
         delta.and_then(|d| d.content.as_deref()),
         first.text.as_deref(),
-    ];
-    let text: String = parts.into_iter().flatten().collect();
+    );
     if !text.is_empty() {
         digest.event(&text);
     }
