@@ -169,7 +169,10 @@ pub async fn send_streaming_with(
                     .unwrap_or(t.completion_tokens);
             }
             if has_choices(&v) {
-                let text = headroom_workload::digest::choice_text(&v["choices"][0]);
+                // The output of choice 0 is digested (as the proxy does), whatever its position.
+                let text = headroom_workload::digest::choice_zero(&v["choices"])
+                    .map(headroom_workload::digest::choice_text)
+                    .unwrap_or_default();
                 if !text.is_empty() {
                     digest.event(&text);
                 }

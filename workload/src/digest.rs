@@ -97,6 +97,17 @@ impl OutputDigest {
     }
 }
 
+/// The choice with `index` 0 of a `choices` array (a choice without an index counts as 0): with
+/// `n > 1` an engine may send the choices in any order, so the first by position need not be it.
+pub fn choice_zero(choices: &serde_json::Value) -> Option<&serde_json::Value> {
+    choices.as_array()?.iter().find(|c| {
+        c.get("index")
+            .and_then(serde_json::Value::as_u64)
+            .unwrap_or(0)
+            == 0
+    })
+}
+
 /// A choice's output text, as a JSON value: of `delta` in a stream chunk, of `message` in a whole
 /// body ([`output_text`]).
 pub fn choice_text(choice: &serde_json::Value) -> String {
@@ -213,6 +224,20 @@ mod tests {
             d.event(w);
         }
         d.finish()
+    }
+
+    #[test]
+    fn choice_zero_is_found_by_index_not_position() {
+        let v: serde_json::Value =
+            serde_json::from_str(r#"[{"index":1,"text":" second"},{"index":0,"text":" first"}]"#)
+                .unwrap();
+        assert_eq!(choice_text(choice_zero(&v).unwrap()), " first");
+        let unindexed: serde_json::Value = serde_json::from_str(r#"[{"text":" only"}]"#).unwrap();
+        assert_eq!(choice_text(choice_zero(&unindexed).unwrap()), " only");
+        let other: serde_json::Value =
+            serde_json::from_str(r#"[{"index":2,"text":" x"}]"#).unwrap();
+        assert!(choice_zero(&other).is_none());
+        assert!(choice_zero(&serde_json::json!([])).is_none());
     }
 
     #[test]

@@ -503,7 +503,9 @@ impl ResponseMeter {
 /// The first choice's output text of a non-streamed body.
 fn body_output(body: &[u8]) -> Option<String> {
     let v: serde_json::Value = serde_json::from_slice(body).ok()?;
-    Some(crate::digest::choice_text(v.get("choices")?.get(0)?))
+    Some(crate::digest::choice_text(crate::digest::choice_zero(
+        v.get("choices")?,
+    )?))
 }
 
 /// The value after the last `key` (a quoted JSON key, not inside a string) in `body`.
