@@ -8,6 +8,8 @@
 #
 #   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2 CAPTURE=1
 #   PIN=1 scripts/bench-overhead.sh              # each proxy on a core of its own (bench-common.sh)
+#   SERVE_BIN=path/to/headroom scripts/bench-overhead.sh   # another build as the proxy (an A/B of
+#                                                # builds: the replica and the load stay this one's)
 #
 # With PIN=1 the system under test is the proxy (one worker per pinned core; nginx alike), and the
 # replica runs beside the load generator: what a proxy adds is then its own work and hop, not
@@ -31,6 +33,7 @@ fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 cargo build --release --locked -q
 bin=target/release/headroom
+SERVE_BIN=${SERVE_BIN:-$bin}
 
 # RATE × DURATION requests (and some slack), 64-token prompts, TOKENS-token answers, no reuse.
 python3 - "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" <<'PY'
@@ -57,7 +60,7 @@ sim_hostport=${sim#http://}
 capture_flags=()
 [ "${CAPTURE:-1}" = 1 ] && capture_flags=(--capture "$OUT/capture.jsonl")
 rm -f "$OUT/capture.jsonl"
-"${sut_on[@]}" $bin serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" "${capture_flags[@]}" \
+"${sut_on[@]}" "$SERVE_BIN" serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" "${capture_flags[@]}" \
   >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
 headroom_pid=$!
 pids+=($headroom_pid)
@@ -134,7 +137,9 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 
-python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement" <<'PY'
+build=""
+[ "$SERVE_BIN" != "$bin" ] && build="; headroom build: $SERVE_BIN"
+python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement$build" <<'PY'
 import json, sys
 out, rounds, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rate, tokens, duration = sys.argv[4], sys.argv[5], sys.argv[6]

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Soak: a sustained load at a fraction of the fleet's capacity through `headroom serve`, with
 # clients that give up early and replicas killed (SIGKILL) and restarted, for DURATION seconds.
-# Records the proxy's RSS every 10 s, every request's outcome and TTFT (headroom replay), and at
+# Records the proxy's RSS and live heap every 10 s, every request's outcome and TTFT (headroom replay), and at
 # the end the proxy's gauges at rest. Loopback only; bounded by DURATION.
 #
 #   scripts/soak.sh                         # 30 minutes at 80% of capacity, a kill every 2 minutes
@@ -126,12 +126,14 @@ admin=$(grep -o 'admin http://[0-9.:]*' "$OUT/serve.log" | cut -d' ' -f2)
 
 start_precise=$(date +%s.%N)
 start=${start_precise%.*}
-# The proxy's resident memory every 10 s.
+# The proxy's resident memory and live heap (the allocator's own count) every 10 s.
 (
-  echo "elapsed_s,rss_kb,index_blocks"
+  echo "elapsed_s,rss_kb,index_blocks,heap_kb"
   while kill -0 "$serve" 2>/dev/null; do
-    index=$(curl -sf "$admin/metrics" | awk '/^headroom_prefix_index_blocks\{/ {s += $2} END {print s + 0}')
-    echo "$(($(date +%s) - start)),$(awk '/VmRSS/ {print $2}' "/proc/$serve/status"),$index"
+    m=$(curl -sf "$admin/metrics")
+    index=$(awk '/^headroom_prefix_index_blocks\{/ {s += $2} END {print s + 0}' <<<"$m")
+    heap=$(awk '/^headroom_allocator_bytes\{state="allocated"\}/ {printf "%d", $2 / 1024}' <<<"$m")
+    echo "$(($(date +%s) - start)),$(awk '/VmRSS/ {print $2}' "/proc/$serve/status"),$index,$heap"
     sleep 10
   done
 ) >"$OUT/rss.csv" &
@@ -207,7 +209,7 @@ def p99(window):
     return xs[int(0.99 * (len(xs) - 1))] if xs else float("nan")
 first = [r for r in ok if float(r["scheduled_ms"]) < 300_000]
 last = [r for r in ok if float(r["scheduled_ms"]) >= (duration - 300) * 1000]
-rss = [(float(r["elapsed_s"]), float(r["rss_kb"]), float(r.get("index_blocks") or 0)) for r in csv.DictReader(open(f"{out}/rss.csv")) if r["rss_kb"]]
+rss = [(float(r["elapsed_s"]), float(r["rss_kb"]), float(r.get("index_blocks") or 0), float(r.get("heap_kb") or 0)) for r in csv.DictReader(open(f"{out}/rss.csv")) if r["rss_kb"]]
 # Under load only: the answers still streaming after DURATION (minutes, for long ones) drain the
 # proxy's buffers, and memory that falls then says nothing about growth while it works.
 rss = [x for x in rss if x[0] <= duration] or rss
@@ -215,11 +217,12 @@ after = [x for x in rss if x[0] >= 600] or rss
 growth = (after[-1][1] - after[0][1]) / 1024 / max((after[-1][0] - after[0][0]) / 600, 1e-9)
 last10 = [x for x in rss if x[0] >= rss[-1][0] - 600]
 growth_last = (last10[-1][1] - last10[0][1]) / 1024 / max((last10[-1][0] - last10[0][0]) / 600, 1e-9)
+heap_growth = (after[-1][3] - after[0][3]) / 1024 / max((after[-1][0] - after[0][0]) / 600, 1e-9)
 gauges = [l for l in open(f"{out}/metrics-at-rest.txt") if l.startswith(("headroom_open_requests ", "headroom_backend_in_flight{", "headroom_admission_in_flight{", "headroom_queue_depth{"))]
 kills = sum(1 for _ in open(f"{out}/kills.log")) if __import__("os").path.exists(f"{out}/kills.log") else 0
-print(f"| requests | answered 200 | answered with an error | no answer | kills | p99 TTFT first 5 min | p99 TTFT last 5 min | change | RSS at 10 min | RSS at end | growth per 10 min (from 10 min) | growth, last 10 min | index blocks at 10 min / end | gauges at rest |")
-print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
+print(f"| requests | answered 200 | answered with an error | no answer | kills | p99 TTFT first 5 min | p99 TTFT last 5 min | change | RSS at 10 min | RSS at end | growth per 10 min (from 10 min) | growth, last 10 min | live heap at 10 min → end (growth per 10 min) | index blocks at 10 min / end | gauges at rest |")
+print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 change = (p99(last) / p99(first) - 1) * 100
 nonzero = [g.strip() for g in gauges if not g.strip().endswith(" 0")]
-print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MB | {after[-1][1]/1024:.1f} MB | {growth:+.2f} MB | {growth_last:+.2f} MB | {after[0][2]:.0f} / {after[-1][2]:.0f} | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
+print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MB | {after[-1][1]/1024:.1f} MB | {growth:+.2f} MB | {growth_last:+.2f} MB | {after[0][3]/1024:.1f} → {after[-1][3]/1024:.1f} MB ({heap_growth:+.2f} MB) | {after[0][2]:.0f} / {after[-1][2]:.0f} | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
 PY

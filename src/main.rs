@@ -4,6 +4,8 @@ use std::process::ExitCode;
 
 use clap::{Parser, Subcommand};
 
+#[cfg(feature = "jemalloc")]
+mod allocator;
 mod capacity;
 mod demo;
 mod serve;

@@ -111,6 +111,12 @@ async fn streams_relay_every_event_and_measure() {
         "{metrics}"
     );
     assert!(metrics.contains("route=\"chat\""), "{metrics}");
+    // The process's own memory, under the standard exporter's name.
+    let rss = metrics
+        .lines()
+        .find_map(|l| l.strip_prefix("process_resident_memory_bytes "))
+        .and_then(|v| v.trim().parse::<f64>().ok());
+    assert!(rss.is_some_and(|b| b > 1e6), "{metrics}");
     let l = p.fleet().backends[0].load();
     assert_eq!(
         (l.in_flight, l.pending_prefill_tokens, l.decoding),

@@ -729,6 +729,13 @@ impl Metrics {
         for c in all {
             r.register(c).expect("unique metric names");
         }
+        // The standard process metrics an operator's dashboards already know
+        // (process_resident_memory_bytes, process_cpu_seconds_total, process_open_fds, …).
+        #[cfg(target_os = "linux")]
+        r.register(Box::new(
+            prometheus::process_collector::ProcessCollector::for_self(),
+        ))
+        .expect("unique metric names");
         m
     }
 
@@ -998,6 +1005,11 @@ impl Metrics {
                 })
             })
             .collect()
+    }
+
+    /// Adds a collector the embedding program owns (the binary's allocator statistics).
+    pub fn register(&self, c: Box<dyn prometheus::core::Collector>) -> prometheus::Result<()> {
+        self.registry.register(c)
     }
 
     /// The Prometheus text exposition of every metric.
