@@ -46,10 +46,13 @@ fn metric_names(text: &str) -> BTreeSet<String> {
     names
 }
 
-/// The metric families the proxy registers: the quoted `"headroom_…"` names in its source.
+/// The metric families the proxy registers: the quoted `"headroom_…"` names in its source and the
+/// binary's.
 fn exported() -> BTreeSet<String> {
     let mut files = Vec::new();
     files_under(&root().join("proxy/src"), &mut files);
+    // The binary's own collectors (the allocator's statistics).
+    files_under(&root().join("src"), &mut files);
     let mut names = BTreeSet::new();
     for f in files
         .iter()
