@@ -8,13 +8,20 @@
 #
 #   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2 CAPTURE=1
 #   PIN=1 scripts/bench-overhead.sh              # each proxy on a core of its own (bench-common.sh)
-#   SERVE_BIN=path/to/headroom scripts/bench-overhead.sh   # another build as the proxy (an A/B of
-#                                                # builds: the replica and the load stay this one's)
+#   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
+#                                                # builds: the replica and the load stay this one's).
+#   Build B, copy it aside, then run: this script builds target/release/headroom itself, e.g.
+#   cargo build --release --no-default-features && cp target/release/headroom /tmp/headroom-b
 #
 # With PIN=1 the system under test is the proxy (one worker per pinned core; nginx alike), and the
 # replica runs beside the load generator: what a proxy adds is then its own work and hop, not
 # run-queue waits behind the load generator and the replica.
 set -euo pipefail
+# SERVE_BIN is resolved where it was given, before the move to the repository's root.
+if [ -n "${SERVE_BIN:-}" ]; then
+  [ -x "$SERVE_BIN" ] || { echo "SERVE_BIN=$SERVE_BIN is not an executable" >&2; exit 1; }
+  SERVE_BIN=$(realpath "$SERVE_BIN")
+fi
 cd "$(dirname "$0")/.."
 RATE=${RATE:-200}
 TOKENS=${TOKENS:-100}
@@ -33,6 +40,10 @@ fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 cargo build --release --locked -q
 bin=target/release/headroom
+if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
+  echo "SERVE_BIN is target/release/headroom, which this script has just rebuilt: copy build B aside first" >&2
+  exit 1
+fi
 SERVE_BIN=${SERVE_BIN:-$bin}
 
 # RATE × DURATION requests (and some slack), 64-token prompts, TOKENS-token answers, no reuse.

@@ -224,5 +224,7 @@ print(f"| requests | answered 200 | answered with an error | no answer | kills |
 print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|")
 change = (p99(last) / p99(first) - 1) * 100
 nonzero = [g.strip() for g in gauges if not g.strip().endswith(" 0")]
-print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MB | {after[-1][1]/1024:.1f} MB | {growth:+.2f} MB | {growth_last:+.2f} MB | {after[0][3]/1024:.1f} → {after[-1][3]/1024:.1f} MB ({heap_growth:+.2f} MB) | {after[0][2]:.0f} / {after[-1][2]:.0f} | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
+# The live heap is the allocator's own count: absent from a build with the system's malloc.
+heap = f"{after[0][3]/1024:.1f} → {after[-1][3]/1024:.1f} MiB ({heap_growth:+.2f} MiB)" if any(x[3] for x in rss) else "–"
+print(f"| {len(rows)} | {len(ok)} | {failed} | {len(no_answer)} | {kills} | {p99(first):.0f} ms | {p99(last):.0f} ms | {change:+.1f}% | {after[0][1]/1024:.1f} MiB | {after[-1][1]/1024:.1f} MiB | {growth:+.2f} MiB | {growth_last:+.2f} MiB | {heap} | {after[0][2]:.0f} / {after[-1][2]:.0f} | {'all 0' if not nonzero else '; '.join(nonzero)} ({len(gauges)} gauges) |")
 PY

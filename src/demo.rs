@@ -317,7 +317,9 @@ async fn run_mode(args: &DemoArgs, mode: Mode, urls: &[String]) -> anyhow::Resul
             if let Some(capture) = &cfg.capture.path {
                 let _ = std::fs::remove_file(capture);
             }
-            Some(headroom_proxy::start(cfg).await?)
+            let handle = headroom_proxy::start(cfg).await?;
+            crate::export_allocator_metrics(&handle.metrics)?;
+            Some(handle)
         }
     };
     let targets: Vec<String> = match &proxy {

@@ -65,6 +65,18 @@ enum ConfigCommand {
     Schema,
 }
 
+/// Adds the allocator's statistics (`headroom_allocator_bytes`) to a proxy's `/metrics`; nothing in
+/// a build with the system's malloc.
+fn export_allocator_metrics(metrics: &headroom_proxy::telemetry::Metrics) -> anyhow::Result<()> {
+    #[cfg(feature = "jemalloc")]
+    metrics
+        .register(Box::new(allocator::AllocatorCollector::new()))
+        .map_err(|e| anyhow::anyhow!("registering the allocator's metrics: {e}"))?;
+    #[cfg(not(feature = "jemalloc"))]
+    let _ = metrics;
+    Ok(())
+}
+
 fn main() -> ExitCode {
     let cli = Cli::parse();
     let logs = tracing_subscriber::fmt()

@@ -133,11 +133,7 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let handle = headroom_proxy::start(cfg)
         .await
         .context("starting the proxy")?;
-    #[cfg(feature = "jemalloc")]
-    handle
-        .metrics
-        .register(Box::new(crate::allocator::AllocatorCollector::new()))
-        .context("registering the allocator's metrics")?;
+    crate::export_allocator_metrics(&handle.metrics)?;
     println!("http://{}", handle.addr);
     eprintln!(
         "headroom serve: listening on {} (admin http://{}), {n} backend(s), policy {policy} — Ctrl-C to stop",
