@@ -822,9 +822,8 @@ fn admin_router(
                     let mut backends = metrics.backend_stats(&fleet);
                     let mut queued = serde_json::Value::Null;
                     if let Some(a) = &admission {
-                        let slots = a.slots().into_iter().zip(a.tokens());
-                        for (id, (b, ((cap, admitted), (budget, tokens)))) in
-                            backends.iter_mut().zip(slots).enumerate()
+                        let snapshot = a.snapshot();
+                        for (id, (b, r)) in backends.iter_mut().zip(&snapshot.replicas).enumerate()
                         {
                             let context = a.context(
                                 id,
@@ -832,14 +831,14 @@ fn admin_router(
                                 cfg.admission.learn_context,
                             );
                             b["admission"] = serde_json::json!({
-                                "cap": cap,
-                                "in_flight": admitted,
-                                "token_budget": budget,
-                                "tokens_in_flight": tokens,
+                                "cap": r.cap,
+                                "in_flight": r.admitted,
+                                "token_budget": r.token_budget,
+                                "tokens_in_flight": r.tokens,
                                 "context_tokens": context.round(),
                             });
                         }
-                        queued = serde_json::json!(a.queued());
+                        queued = serde_json::json!(snapshot.queued);
                     }
                     if let Some(kv) = &kv {
                         let ix = kv.lock().unwrap_or_else(|e| e.into_inner());

@@ -60,6 +60,28 @@ struct Slot {
     token_budget: Option<u64>,
 }
 
+/// One replica's admission state, as [`Admission::snapshot`] reads it.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct SlotState {
+    /// The cap (None: unlimited).
+    pub cap: Option<u32>,
+    /// Requests admitted now.
+    pub admitted: u32,
+    /// The token budget (None: none).
+    pub token_budget: Option<u64>,
+    /// Prompt + output tokens the admitted requests may come to.
+    pub tokens: u64,
+}
+
+/// Every replica's admission state and the queue, read at one instant.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Snapshot {
+    /// By replica id.
+    pub replicas: Vec<SlotState>,
+    /// Requests waiting, by class.
+    pub queued: BTreeMap<String, usize>,
+}
+
 impl Slot {
     /// Whether a request of `tokens` fits the token budget (one alone always does).
     fn tokens_fit(&self, tokens: u64) -> bool {
@@ -344,13 +366,24 @@ impl Admission {
         }
     }
 
-    /// Each replica's token budget (None: none) and the tokens its admitted requests may reach.
-    pub fn tokens(&self) -> Vec<(Option<u64>, u64)> {
-        self.lock()
-            .slots
-            .iter()
-            .map(|s| (s.token_budget, s.tokens))
-            .collect()
+    /// Every replica's state and the queue by class, read under one lock: a consistent picture
+    /// for `/metrics` and `/stats` (separate reads could pair one moment's admitted count with
+    /// another's tokens).
+    pub fn snapshot(&self) -> Snapshot {
+        let g = self.lock();
+        Snapshot {
+            replicas: g
+                .slots
+                .iter()
+                .map(|s| SlotState {
+                    cap: s.cap.cap(),
+                    admitted: s.in_flight,
+                    token_budget: s.token_budget,
+                    tokens: s.tokens,
+                })
+                .collect(),
+            queued: g.queued_by_class.clone(),
+        }
     }
 
     /// A request the replica served took `tokens` of context (prompt + output).
@@ -485,6 +518,16 @@ mod tests {
         let interactive = wait("interactive", 10);
         tokio::task::yield_now().await;
         assert_eq!(a.queued().values().sum::<usize>(), 2);
+        let snap = a.snapshot();
+        assert_eq!(snap.queued, a.queued());
+        assert_eq!(
+            snap.replicas
+                .iter()
+                .map(|r| (r.cap, r.admitted))
+                .collect::<Vec<_>>(),
+            a.slots()
+        );
+        assert!(snap.replicas.iter().all(|r| r.admitted == 1));
         // A third batch request fits in its class's queue (bound 2); a fourth does not.
         let third = wait("batch", 0);
         tokio::task::yield_now().await;
@@ -508,6 +551,15 @@ mod tests {
         assert!(a.retry_after() >= 1);
         drop((pi, pb));
         assert_eq!(a.slots(), vec![(Some(1), 0), (Some(1), 0)]);
+    }
+
+    /// Each replica's token budget and the tokens its admitted requests may reach.
+    fn tokens(a: &Admission) -> Vec<(Option<u64>, u64)> {
+        a.snapshot()
+            .replicas
+            .iter()
+            .map(|r| (r.token_budget, r.tokens))
+            .collect()
     }
 
     #[tokio::test(start_paused = true)]
@@ -625,19 +677,19 @@ mod tests {
         // Far under the cap of 100 sequences, but 600 + 300 fill 900 of the 1,000 tokens.
         let big = a.acquire(&sized(600), first).await.unwrap();
         let mid = a.acquire(&sized(300), first).await.unwrap();
-        assert_eq!(a.tokens(), vec![(Some(1_000), 900)]);
+        assert_eq!(tokens(&a), vec![(Some(1_000), 900)]);
         let a2 = a.clone();
         let waiting = tokio::spawn(async move { a2.acquire(&sized(200), first).await });
         tokio::task::yield_now().await;
         assert_eq!(a.queued().values().sum::<usize>(), 1, "200 more do not fit");
         drop(big);
         let p = waiting.await.unwrap().unwrap();
-        assert_eq!(a.tokens(), vec![(Some(1_000), 500)]);
+        assert_eq!(tokens(&a), vec![(Some(1_000), 500)]);
         drop((mid, p));
         // Alone on the replica, a request larger than the whole budget is still served.
         let huge = a.acquire(&sized(5_000), first).await.unwrap();
         drop(huge);
-        assert_eq!(a.tokens(), vec![(Some(1_000), 0)]);
+        assert_eq!(tokens(&a), vec![(Some(1_000), 0)]);
         assert_eq!(a.slots(), vec![(Some(100), 0)]);
     }
 }

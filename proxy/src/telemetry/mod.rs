@@ -911,8 +911,8 @@ impl Metrics {
 
     /// Reads admission state into its gauges.
     pub fn refresh_admission(&self, fleet: &Fleet, admission: &crate::admission::Admission) {
-        let slots = admission.slots().into_iter().zip(admission.tokens());
-        for (b, ((cap, admitted), (budget, tokens))) in fleet.backends.iter().zip(slots) {
+        let snapshot = admission.snapshot();
+        for (b, r) in fleet.backends.iter().zip(&snapshot.replicas) {
             let name = [b.name.as_str()];
             // A gauge with no value yet is absent rather than 0.
             let set_or_remove = |g: &FloatGaugeVec, v: Option<f64>| match v {
@@ -921,19 +921,22 @@ impl Metrics {
                     let _ = g.remove_label_values(&name);
                 }
             };
-            set_or_remove(&self.admission.cap, cap.map(f64::from));
-            set_or_remove(&self.admission.token_budget, budget.map(|t| t as f64));
+            set_or_remove(&self.admission.cap, r.cap.map(f64::from));
+            set_or_remove(
+                &self.admission.token_budget,
+                r.token_budget.map(|t| t as f64),
+            );
             self.admission
                 .admitted
                 .with_label_values(&name)
-                .set(f64::from(admitted));
+                .set(f64::from(r.admitted));
             self.admission
                 .tokens
                 .with_label_values(&name)
-                .set(tokens as f64);
+                .set(r.tokens as f64);
         }
         self.admission.queued.reset();
-        for (class, n) in admission.queued() {
+        for (class, n) in snapshot.queued {
             self.admission
                 .queued
                 .with_label_values(&[&class])
