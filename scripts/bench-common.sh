@@ -14,7 +14,8 @@ wait_line() {
 }
 
 # start_sims N URL_FILE [FLAG...]: starts N simulated replicas (one `headroom sim` process, $bin, on
-# the system-under-test cores with PIN=1) on ephemeral ports, their URLs one per line in URL_FILE and their log beside it; waits up to 10 s.
+# the system-under-test cores with PIN=1) on ephemeral ports, their URLs one per line in URL_FILE
+# and their log beside it; waits up to 10 s.
 start_sims() {
   local n=$1 file=$2
   shift 2
@@ -24,6 +25,5 @@ start_sims() {
   echo "the simulator did not start: see ${file%.url}.log" >&2
   exit 1
 }
-
 
 source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"
