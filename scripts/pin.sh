@@ -23,3 +23,26 @@ if [ "$PIN" = 1 ]; then
   placement="pinned: system under test on CPU $SUT_CPUS, load generator on CPU $LOAD_CPUS"
   echo "$placement" >&2
 fi
+
+# Idle states. NOIDLE=1 keeps every core out of its idle (halt) state for the script's life by
+# holding the kernel's CPU latency request at 0 µs (/dev/cpu_dma_latency, as tuned's
+# latency-performance profile does): a core waiting for the next chunk then polls instead of
+# halting, and on a virtual machine its wake-up stops costing an exit to the hypervisor. It changes
+# the machine, not the software, and applies to every path of a comparison alike; the summary says
+# it was on. Needs write access to /dev/cpu_dma_latency (root).
+NOIDLE=${NOIDLE:-0}
+if [ "$NOIDLE" = 1 ]; then
+  if [ ! -w /dev/cpu_dma_latency ]; then
+    echo "NOIDLE=1 needs write access to /dev/cpu_dma_latency (run as root)" >&2
+    exit 2
+  fi
+  # The request holds while the file is open: a holder that outlives nothing but this script.
+  noidle_owner=$$
+  (
+    exec 9>/dev/cpu_dma_latency
+    printf 0 >&9
+    while kill -0 "$noidle_owner" 2>/dev/null; do sleep 1; done
+  ) &
+  placement="$placement; cores kept out of idle states (cpu_dma_latency 0)"
+  echo "cores kept out of idle states while this script runs" >&2
+fi

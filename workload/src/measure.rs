@@ -61,7 +61,7 @@ fn cached_tokens<'de, D: serde::Deserializer<'de>>(d: D) -> Result<Option<u64>, 
 #[derive(Deserialize)]
 struct EventLite<'a> {
     #[serde(default, borrow)]
-    choices: Option<Vec<ChoiceLite<'a>>>,
+    choices: Choices<'a>,
     #[serde(default)]
     usage: Option<Usage>,
     #[serde(default)]
@@ -78,6 +78,73 @@ struct ChoiceLite<'a> {
     delta: Option<DeltaLite<'a>>,
     #[serde(default, borrow)]
     finish_reason: Option<Cow<'a, str>>,
+}
+
+impl ChoiceLite<'_> {
+    fn has_output(&self) -> bool {
+        let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
+        nonempty(&self.text)
+            || self.finish_reason.is_some()
+            || self.delta.as_ref().is_some_and(|d| {
+                nonempty(&d.content)
+                    || nonempty(&d.reasoning_content)
+                    || nonempty(&d.reasoning)
+                    || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
+            })
+    }
+}
+
+/// An event's `choices`, summarized as they are parsed instead of collected (this runs on every
+/// relayed event): how many, whether any carries output, the first finish reason, and choice 0
+/// (by its `index`) for the digest. `null` or absent reads as none.
+#[derive(Default)]
+struct Choices<'a> {
+    count: usize,
+    output: bool,
+    finish_reason: Option<Cow<'a, str>>,
+    zero: Option<ChoiceLite<'a>>,
+}
+
+impl<'de: 'a, 'a> Deserialize<'de> for Choices<'a> {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct Read<'a>(std::marker::PhantomData<&'a ()>);
+        impl<'de: 'a, 'a> serde::de::Visitor<'de> for Read<'a> {
+            type Value = Choices<'a>;
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a list of choices or null")
+            }
+            fn visit_none<E>(self) -> Result<Self::Value, E> {
+                Ok(Choices::default())
+            }
+            fn visit_unit<E>(self) -> Result<Self::Value, E> {
+                Ok(Choices::default())
+            }
+            fn visit_some<D: serde::Deserializer<'de>>(
+                self,
+                d: D,
+            ) -> Result<Self::Value, D::Error> {
+                d.deserialize_seq(self)
+            }
+            fn visit_seq<A: serde::de::SeqAccess<'de>>(
+                self,
+                mut seq: A,
+            ) -> Result<Self::Value, A::Error> {
+                let mut out = Choices::default();
+                while let Some(c) = seq.next_element::<ChoiceLite<'a>>()? {
+                    out.count += 1;
+                    out.output |= c.has_output();
+                    if out.finish_reason.is_none() {
+                        out.finish_reason.clone_from(&c.finish_reason);
+                    }
+                    if out.zero.is_none() && c.index.unwrap_or(0) == 0 {
+                        out.zero = Some(c);
+                    }
+                }
+                Ok(out)
+            }
+        }
+        d.deserialize_option(Read(std::marker::PhantomData))
+    }
 }
 
 #[derive(Deserialize)]
@@ -128,38 +195,22 @@ fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
             ..EventInfo::default()
         };
     };
-    let nonempty = |s: &Option<Cow<'_, str>>| s.as_deref().is_some_and(|s| !s.is_empty());
-    let choices = ev.choices.as_deref().unwrap_or_default();
-    if let Some(digest) = digest {
-        digest_choice_zero(digest, choices);
+    let choices = ev.choices;
+    if let (Some(digest), Some(zero)) = (digest, &choices.zero) {
+        digest_choice(digest, zero);
     }
-    let output = choices.iter().any(|c| {
-        nonempty(&c.text)
-            || c.finish_reason.is_some()
-            || c.delta.as_ref().is_some_and(|d| {
-                nonempty(&d.content)
-                    || nonempty(&d.reasoning_content)
-                    || nonempty(&d.reasoning)
-                    || d.tool_calls.as_ref().is_some_and(|t| !t.is_empty())
-            })
-    });
     EventInfo {
-        output,
-        usage_only: ev.usage.is_some() && choices.is_empty() && ev.error.is_none(),
+        output: choices.output,
+        usage_only: ev.usage.is_some() && choices.count == 0 && ev.error.is_none(),
         usage: ev.usage,
-        finish_reason: choices
-            .iter()
-            .find_map(|c| c.finish_reason.as_deref().map(str::to_owned)),
+        finish_reason: choices.finish_reason.map(Cow::into_owned),
         error: ev.error.is_some(),
         done: false,
     }
 }
 
-/// Adds choice 0's output text in one stream event to `digest`.
-fn digest_choice_zero(digest: &mut OutputDigest, choices: &[ChoiceLite<'_>]) {
-    let Some(first) = choices.iter().find(|c| c.index.unwrap_or(0) == 0) else {
-        return;
-    };
+/// Adds the output text of one choice (choice 0) of a stream event to `digest`.
+fn digest_choice(digest: &mut OutputDigest, first: &ChoiceLite<'_>) {
     let delta = first.delta.as_ref();
     let text = crate::digest::output_text(
         delta.and_then(|d| d.reasoning_content.as_deref()),
@@ -578,6 +629,33 @@ mod tests {
         assert_eq!(f.finish_reason.as_deref(), Some("stop"));
         assert!(classify_event(error).error && classify_event("nope").error);
         assert!(classify_event(DONE).done);
+    }
+
+    #[test]
+    fn choices_are_read_whatever_their_shape_and_order() {
+        // Absent or null: no choices (a usage chunk some engines send).
+        for data in [
+            r#"{"usage":{"prompt_tokens":1}}"#,
+            r#"{"choices":null,"usage":{"prompt_tokens":1}}"#,
+        ] {
+            let e = classify_event(data);
+            assert!(e.usage_only && !e.output && !e.error, "{data}");
+        }
+        // Not a list: unreadable, as any malformed event.
+        assert!(classify_event(r#"{"choices":{"index":0}}"#).error);
+        // Several choices: output and the finish reason come from any of them; the digest reads
+        // choice 0 by its index, wherever it stands.
+        let two = r#"{"choices":[{"index":1,"text":"b","finish_reason":"length"},{"index":0,"text":"a","finish_reason":null}]}"#;
+        let e = classify_event(two);
+        assert!(e.output && !e.usage_only);
+        assert_eq!(e.finish_reason.as_deref(), Some("length"));
+        let mut digest = OutputDigest::new();
+        read_event(two, Some(&mut digest));
+        let mut only_a = OutputDigest::new();
+        only_a.event("a");
+        assert_eq!(digest.finish(), only_a.finish());
+        // Escaped text is still output.
+        assert!(classify_event(r#"{"choices":[{"delta":{"content":"\u00e9\n"}}]}"#).output);
     }
 
     fn stream(include_usage: bool) -> Vec<u8> {

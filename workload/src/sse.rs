@@ -6,6 +6,8 @@
 //! dispatches the event, several `data:` lines join with `\n`, one space after the colon is dropped,
 //! `:` lines are comments, and an event with no data is not dispatched.
 
+use std::borrow::Cow;
+
 /// The payload that ends an OpenAI-compatible stream.
 pub const DONE: &str = "[DONE]";
 
@@ -51,8 +53,9 @@ impl SseParser {
         Self::default()
     }
 
-    /// Parses `chunk`, calling `on_event` for each event it completes.
-    pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(SseEvent)) {
+    /// Parses `chunk`, calling `on_event` for each event it completes. The event is lent: the
+    /// parser reuses its buffers for the next one (clone it to keep it).
+    pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(&SseEvent)) {
         self.feed_with_ends(chunk, |_, ev| {
             if let Some(ev) = ev {
                 on_event(ev);
@@ -66,7 +69,7 @@ impl SseParser {
     pub fn feed_with_ends(
         &mut self,
         chunk: &[u8],
-        mut on_end: impl FnMut(usize, Option<SseEvent>),
+        mut on_end: impl FnMut(usize, Option<&SseEvent>),
     ) {
         let mut rest = chunk;
         // An empty chunk says nothing about what follows a `\r` that ended the last one.
@@ -79,7 +82,7 @@ impl SseParser {
                 rest = tail;
             }
         }
-        while let Some(i) = rest.iter().position(|&b| b == b'\n' || b == b'\r') {
+        while let Some(i) = memchr::memchr2(b'\n', b'\r', rest) {
             let line_end = rest[i];
             let piece = &rest[..i];
             rest = &rest[i + 1..];
@@ -91,18 +94,23 @@ impl SseParser {
                 }
             }
             let offset = chunk.len() - rest.len();
-            if self.line.is_empty() {
-                if let Some(ev) = self.process_line(piece) {
-                    on_end(offset, ev);
-                }
+            let end = if self.line.is_empty() {
+                self.process_line(piece)
             } else {
                 self.line.extend_from_slice(piece);
                 let line = std::mem::take(&mut self.line);
-                if let Some(ev) = self.process_line(&line) {
-                    on_end(offset, ev);
-                }
+                let end = self.process_line(&line);
                 self.line = line;
                 self.line.clear();
+                end
+            };
+            match end {
+                LineEnd::Field => {}
+                LineEnd::Blank => on_end(offset, None),
+                LineEnd::Dispatch => {
+                    on_end(offset, Some(&self.pending));
+                    self.clear_pending();
+                }
             }
         }
         self.line.extend_from_slice(rest);
@@ -111,7 +119,7 @@ impl SseParser {
     /// Convenience for tests and tools: parse `chunk` and collect its events.
     pub fn feed_collect(&mut self, chunk: &[u8]) -> Vec<SseEvent> {
         let mut out = Vec::new();
-        self.feed(chunk, |e| out.push(e));
+        self.feed(chunk, |e| out.push(e.clone()));
         out
     }
 
@@ -126,27 +134,38 @@ impl SseParser {
         self.line.len() + self.pending.data.len()
     }
 
-    /// Processes one line; `Some` at a blank line, carrying the event it dispatched, if any.
-    fn process_line(&mut self, line: &[u8]) -> Option<Option<SseEvent>> {
+    /// Forgets the event being read, keeping its buffers.
+    fn clear_pending(&mut self) {
+        self.pending.data.clear();
+        self.pending.event = None;
+        self.pending.id = None;
+        self.has_data = false;
+    }
+
+    /// Processes one line.
+    fn process_line(&mut self, line: &[u8]) -> LineEnd {
         if line.is_empty() {
             if self.has_data {
-                self.has_data = false;
-                return Some(Some(std::mem::take(&mut self.pending)));
+                return LineEnd::Dispatch;
             }
-            self.pending = SseEvent::default();
-            return Some(None);
+            self.clear_pending();
+            return LineEnd::Blank;
         }
         if line[0] == b':' {
-            return None;
+            return LineEnd::Field;
         }
-        let (field, value) = match line.iter().position(|&b| b == b':') {
+        let (field, value) = match memchr::memchr(b':', line) {
             Some(i) => {
                 let v = &line[i + 1..];
                 (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
             }
             None => (line, &b""[..]),
         };
-        let value = String::from_utf8_lossy(value);
+        // Valid UTF-8 (every JSON payload) is checked by the fast path and borrowed.
+        let value = match std::str::from_utf8(value) {
+            Ok(v) => Cow::Borrowed(v),
+            Err(_) => String::from_utf8_lossy(value),
+        };
         match field {
             b"data" => {
                 if self.has_data {
@@ -159,8 +178,18 @@ impl SseParser {
             b"id" => self.pending.id = Some(value.into_owned()),
             _ => {}
         }
-        None
+        LineEnd::Field
     }
+}
+
+/// What a line did.
+enum LineEnd {
+    /// A field or a comment: the event goes on.
+    Field,
+    /// A blank line with no data before it: nothing dispatched.
+    Blank,
+    /// A blank line after data: the pending event is dispatched.
+    Dispatch,
 }
 
 #[cfg(test)]
@@ -193,6 +222,16 @@ mod tests {
         let whole = parse_all(&[stream]);
         assert_eq!(data(&whole), vec!["one", "two\nlines", "three", "a\nb"]);
         assert_eq!(whole[1].event.as_deref(), Some("x"));
+        // The parser reuses its buffers: nothing of one event carries into the next, and an id
+        // on an event without data is dropped with it.
+        assert_eq!(
+            (whole[2].event.as_deref(), whole[2].id.as_deref()),
+            (None, None)
+        );
+        assert_eq!(
+            (whole[3].event.as_deref(), whole[3].id.as_deref()),
+            (None, None)
+        );
         // Empty chunks included (i == j), as after a `\r` that ended the chunk before (found by
         // the `sse` fuzz target: an empty chunk used to forget that `\r`).
         for i in 0..=stream.len() {
