@@ -32,8 +32,9 @@
 #
 # Environment: GUIDELLM_VENV (default .cache/guidellm-venv), PYTHON (default
 # python3, only to create the venv), HEADROOM_BIN (default
-# target/release/headroom), TOLERANCE_PCT (default 5), PIN (1: the simulator on a
-# core of its own, the two clients on the others; scripts/pin.sh).
+# target/release/headroom), TOLERANCE_PCT (default 5), SIM_PROFILE (default
+# llama-3.1-8b), PIN (1: the simulator on a core of its own, the two clients on
+# the others) and NOIDLE (1: cores poll instead of halting; both scripts/pin.sh).
 set -euo pipefail
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -47,15 +48,18 @@ TOKENIZER_DIR=.cache/guidellm-tokenizer
 OUT_DIR=results/agreement-guidellm
 TOLERANCE_PCT="${TOLERANCE_PCT:-5}"
 
-# Run shape (the same as scripts/guidellm-run.sh, completions only).
-MODEL_NAME=sim-llama-3.1-8b
+# Run shape (the same as scripts/guidellm-run.sh, completions only). SIM_PROFILE picks the simulated
+# model: with llama-3.1-70b each step is longer, so a client's own per-request overhead is a smaller
+# share of the TTFT both tools measure.
+SIM_PROFILE=${SIM_PROFILE:-llama-3.1-8b}
+MODEL_NAME=sim-$SIM_PROFILE
 ENDPOINT=/v1/completions
 RATE=${RATE:-4}            # requests/s, constant (evenly spaced) arrivals
 REQUESTS=${REQUESTS:-40}
 MAX_SECONDS=120   # guidellm's max_duration constraint
 PROMPT_TOKENS=${PROMPT_TOKENS:-256} # by the local tokenizer; the simulator counts ~93
 OUTPUT_TOKENS=${OUTPUT_TOKENS:-64}
-SIM_ARGS=(sim --host 127.0.0.1 --port 0 --served-model-name "$MODEL_NAME")
+SIM_ARGS=(sim --host 127.0.0.1 --port 0 --profile "$SIM_PROFILE" --served-model-name "$MODEL_NAME")
 
 # PIN=1 (scripts/pin.sh, through guidellm-common.sh): the simulator on a core of its own, guidellm
 # and headroom replay on the others.

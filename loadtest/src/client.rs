@@ -13,6 +13,8 @@
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
+use headroom_workload::digest::OutputDigest;
+use headroom_workload::measure::read_event;
 use headroom_workload::sse::SseParser;
 use serde_json::Value;
 
@@ -94,6 +96,37 @@ impl Timing {
 }
 
 /// Whether an SSE payload is a token-bearing message: non-empty `choices`.
+/// Reads an event the borrowing reader did not take (an error object, or fields of other types):
+/// records an error and usage, digests choice 0 of an answer, and says whether it carried choices.
+fn read_whole_event(v: &Value, t: &mut Timing, digest: &mut OutputDigest) -> bool {
+    let error = v.get("error");
+    if let Some(err) = error {
+        t.failure
+            .get_or_insert(Failure::ErrorEvent(err.to_string()));
+    }
+    if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
+        t.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(t.prompt_tokens);
+        t.completion_tokens = u["completion_tokens"]
+            .as_u64()
+            .unwrap_or(t.completion_tokens);
+    }
+    if !has_choices(v) {
+        return false;
+    }
+    if error.is_some() {
+        // A failed answer has no output to compare (as the proxy's meter reads it).
+        return true;
+    }
+    // The output of choice 0 is digested (as the proxy does), whatever its position.
+    let text = headroom_workload::digest::choice_zero(&v["choices"])
+        .map(headroom_workload::digest::choice_text)
+        .unwrap_or_default();
+    if !text.is_empty() {
+        digest.event(&text);
+    }
+    true
+}
+
 fn has_choices(v: &Value) -> bool {
     v.get("choices")
         .and_then(Value::as_array)
@@ -140,7 +173,7 @@ pub async fn send_streaming_with(
     let mut last: Option<Instant> = None;
     let mut messages = 0u64;
     let mut done = false;
-    let mut digest = headroom_workload::digest::OutputDigest::new();
+    let mut digest = OutputDigest::new();
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
@@ -155,27 +188,22 @@ pub async fn send_streaming_with(
                 done = true;
                 return;
             }
-            let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
-                return;
-            };
-            if let Some(err) = v.get("error") {
-                t.failure
-                    .get_or_insert(Failure::ErrorEvent(err.to_string()));
-            }
-            if let Some(u) = v.get("usage").filter(|u| u.is_object()) {
-                t.prompt_tokens = u["prompt_tokens"].as_u64().unwrap_or(t.prompt_tokens);
-                t.completion_tokens = u["completion_tokens"]
-                    .as_u64()
-                    .unwrap_or(t.completion_tokens);
-            }
-            if has_choices(&v) {
-                // The output of choice 0 is digested (as the proxy does), whatever its position.
-                let text = headroom_workload::digest::choice_zero(&v["choices"])
-                    .map(headroom_workload::digest::choice_text)
-                    .unwrap_or_default();
-                if !text.is_empty() {
-                    digest.event(&text);
+            // The borrowing reader first (this runs for every event of every stream, on the
+            // load generator's own cores); an error event or an unusual shape is read whole.
+            let info = read_event(&event.data, Some(&mut digest));
+            let has_choices = if info.error {
+                let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
+                    return;
+                };
+                read_whole_event(&v, &mut t, &mut digest)
+            } else {
+                if let Some(u) = info.usage {
+                    t.prompt_tokens = u.prompt_tokens;
+                    t.completion_tokens = u.completion_tokens;
                 }
+                info.choices > 0
+            };
+            if has_choices {
                 messages += 1;
                 match last {
                     None => t.ttft = Some(now - start),
@@ -202,4 +230,72 @@ pub async fn send_streaming_with(
 pub async fn send_streaming(client: &reqwest::Client, url: &str, body: &Value) -> Timing {
     let bytes = bytes::Bytes::from(serde_json::to_vec(body).unwrap_or_default());
     send_streaming_with(client, url, bytes, &[]).await
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+
+    /// Serves `body` as one SSE response to the first connection, then closes it.
+    async fn serve_once(body: &'static str) -> String {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
+        tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut buf = vec![0u8; 4096];
+            let _ = conn.read(&mut buf).await;
+            let head = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n",
+                body.len()
+            );
+            conn.write_all(head.as_bytes()).await.unwrap();
+            conn.write_all(body.as_bytes()).await.unwrap();
+        });
+        url
+    }
+
+    async fn time(body: &'static str) -> Timing {
+        let url = serve_once(body).await;
+        let client = reqwest::Client::new();
+        send_streaming_with(&client, &url, bytes::Bytes::from_static(b"{}"), &[]).await
+    }
+
+    #[tokio::test]
+    async fn every_event_with_choices_is_a_message_and_usage_counts_tokens() {
+        // A role chunk (counts, as in vLLM's benchmark), a choice whose index is a string (the
+        // borrowing reader refuses it; it is read whole and still counts), then usage and [DONE].
+        let t = time(concat!(
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n",
+            "data: {\"choices\":[{\"index\":\"0\",\"delta\":{\"content\":\"b\"}}]}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+            "data: [DONE]\n\n",
+        ))
+        .await;
+        assert!(t.ok(), "{:?}", t.failure);
+        assert!(t.ttft.is_some());
+        assert_eq!(t.itl.len(), 2);
+        assert_eq!((t.prompt_tokens, t.completion_tokens), (5, 2));
+        // Both output texts were digested, the refused event's too.
+        let mut want = OutputDigest::new();
+        want.event("a");
+        want.event("b");
+        assert_eq!(t.output, Some(want.finish()));
+    }
+
+    #[tokio::test]
+    async fn an_error_event_fails_the_request_with_its_message() {
+        let t = time(concat!(
+            "data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\n",
+            "data: {\"error\":{\"message\":\"engine died\",\"code\":500}}\n\n",
+            "data: [DONE]\n\n",
+        ))
+        .await;
+        match t.failure {
+            Some(Failure::ErrorEvent(e)) => assert!(e.contains("engine died"), "{e}"),
+            other => panic!("{other:?}"),
+        }
+        assert_eq!(t.completion_tokens, 1);
+    }
 }

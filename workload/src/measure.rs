@@ -174,6 +174,9 @@ pub struct EventInfo {
     pub error: bool,
     /// `[DONE]`.
     pub done: bool,
+    /// Choices the event carried, output or not (a load generator following vLLM's benchmark
+    /// counts each such event as a message).
+    pub choices: usize,
 }
 
 /// Reads one event's data.
@@ -181,8 +184,11 @@ pub fn classify_event(data: &str) -> EventInfo {
     read_event(data, None)
 }
 
-/// Reads one event's data, adding its first choice's output text to `digest`.
-fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
+/// Reads one event's data, adding the output text of choice 0 (by its `index`) to `digest`
+/// (not for an error event: a failed answer has no output to compare).
+/// Fields it reads (`choices`, `usage`, `error`) of unexpected types make the event unreadable
+/// (`error`), as data that is not JSON does.
+pub fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
     if data == DONE {
         return EventInfo {
             done: true,
@@ -196,7 +202,7 @@ fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
         };
     };
     let choices = ev.choices;
-    if let (Some(digest), Some(zero)) = (digest, &choices.zero) {
+    if let (Some(digest), Some(zero), None) = (digest, &choices.zero, &ev.error) {
         digest_choice(digest, zero);
     }
     EventInfo {
@@ -206,6 +212,7 @@ fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
         finish_reason: choices.finish_reason.map(Cow::into_owned),
         error: ev.error.is_some(),
         done: false,
+        choices: choices.count,
     }
 }
 
