@@ -8,6 +8,9 @@
 
 use std::borrow::Cow;
 
+/// Bytes of event buffer a parser keeps between events; a longer event's buffer is let go.
+const KEPT_EVENT_CAPACITY: usize = 16 * 1024;
+
 /// The payload that ends an OpenAI-compatible stream.
 pub const DONE: &str = "[DONE]";
 
@@ -134,8 +137,12 @@ impl SseParser {
         self.line.len() + self.pending.data.len()
     }
 
-    /// Forgets the event being read, keeping its buffers.
+    /// Forgets the event being read, keeping its buffer unless one unusually long event grew it
+    /// (a stream should not hold that for the rest of its life).
     fn clear_pending(&mut self) {
+        if self.pending.data.capacity() > KEPT_EVENT_CAPACITY {
+            self.pending.data = String::new();
+        }
         self.pending.data.clear();
         self.pending.event = None;
         self.pending.id = None;
@@ -253,6 +260,15 @@ mod tests {
             }
         }
         assert_eq!(n, 1000);
+    }
+
+    #[test]
+    fn a_long_event_does_not_keep_its_buffer() {
+        let mut p = SseParser::new();
+        let long = format!("data: {}\n\n", "x".repeat(100_000));
+        assert_eq!(p.feed_collect(long.as_bytes())[0].data.len(), 100_000);
+        assert!(p.pending.data.capacity() <= KEPT_EVENT_CAPACITY);
+        assert_eq!(data(&p.feed_collect(b"data: short\n\n")), vec!["short"]);
     }
 
     #[test]
