@@ -95,7 +95,6 @@ impl Timing {
     }
 }
 
-/// Whether an SSE payload is a token-bearing message: non-empty `choices`.
 /// Reads an event the borrowing reader did not take (an error object, or fields of other types):
 /// records an error and usage, digests choice 0 of an answer, and says whether it carried choices.
 fn read_whole_event(v: &Value, t: &mut Timing, digest: &mut OutputDigest) -> bool {
@@ -127,6 +126,7 @@ fn read_whole_event(v: &Value, t: &mut Timing, digest: &mut OutputDigest) -> boo
     true
 }
 
+/// Whether an SSE payload is a token-bearing message: non-empty `choices`.
 fn has_choices(v: &Value) -> bool {
     v.get("choices")
         .and_then(Value::as_array)
