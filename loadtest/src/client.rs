@@ -198,8 +198,13 @@ pub async fn send_streaming_with(
                 read_whole_event(&v, &mut t, &mut digest)
             } else {
                 if let Some(u) = info.usage {
-                    t.prompt_tokens = u.prompt_tokens;
-                    t.completion_tokens = u.completion_tokens;
+                    // A field the usage leaves out (read as 0) keeps the count already known.
+                    if u.prompt_tokens > 0 {
+                        t.prompt_tokens = u.prompt_tokens;
+                    }
+                    if u.completion_tokens > 0 {
+                        t.completion_tokens = u.completion_tokens;
+                    }
                 }
                 info.choices > 0
             };
@@ -269,7 +274,9 @@ mod tests {
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"role\":\"assistant\",\"content\":\"\"}}]}\n\n",
             "data: {\"choices\":[{\"index\":0,\"delta\":{\"content\":\"a\"}}]}\n\n",
             "data: {\"choices\":[{\"index\":\"0\",\"delta\":{\"content\":\"b\"}}]}\n\n",
+            // Usage in two parts: a field one leaves out keeps what the other said.
             "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5,\"completion_tokens\":2}}\n\n",
+            "data: {\"choices\":[],\"usage\":{\"prompt_tokens\":5}}\n\n",
             "data: [DONE]\n\n",
         ))
         .await;

@@ -8,7 +8,7 @@
 
 use std::borrow::Cow;
 
-/// Bytes of event buffer a parser keeps between events; a longer event's buffer is let go.
+/// Bytes of event (and line) buffer a parser keeps between events; a longer one's is let go.
 const KEPT_EVENT_CAPACITY: usize = 16 * 1024;
 
 /// The payload that ends an OpenAI-compatible stream.
@@ -103,8 +103,11 @@ impl SseParser {
                 self.line.extend_from_slice(piece);
                 let line = std::mem::take(&mut self.line);
                 let end = self.process_line(&line);
-                self.line = line;
-                self.line.clear();
+                // The line buffer is kept for the next split line, unless a long one grew it.
+                if line.capacity() <= KEPT_EVENT_CAPACITY {
+                    self.line = line;
+                    self.line.clear();
+                }
                 end
             };
             match end {
@@ -268,6 +271,11 @@ mod tests {
         let long = format!("data: {}\n\n", "x".repeat(100_000));
         assert_eq!(p.feed_collect(long.as_bytes())[0].data.len(), 100_000);
         assert!(p.pending.data.capacity() <= KEPT_EVENT_CAPACITY);
+        // The same event split across chunks goes through the line buffer.
+        let (head, tail) = long.as_bytes().split_at(50_000);
+        assert!(p.feed_collect(head).is_empty());
+        assert_eq!(p.feed_collect(tail)[0].data.len(), 100_000);
+        assert!(p.line.capacity() <= KEPT_EVENT_CAPACITY);
         assert_eq!(data(&p.feed_collect(b"data: short\n\n")), vec!["short"]);
     }
 
