@@ -36,13 +36,17 @@ if [ "$NOIDLE" = 1 ]; then
     echo "NOIDLE=1 needs write access to /dev/cpu_dma_latency (run as root)" >&2
     exit 2
   fi
-  # The request holds while the file is open: a holder that outlives nothing but this script.
+  # The request holds while the file is open: a holder that outlives nothing but this script. It
+  # is started from a subshell, so it is not this script's child: an exit trap's `wait` does not
+  # wait for it (it waits for the script).
   noidle_owner=$$
   (
-    exec 9>/dev/cpu_dma_latency
-    printf 0 >&9
-    while kill -0 "$noidle_owner" 2>/dev/null; do sleep 1; done
-  ) &
+    (
+      exec 9>/dev/cpu_dma_latency
+      printf 0 >&9
+      while kill -0 "$noidle_owner" 2>/dev/null; do sleep 1; done
+    ) &
+  )
   placement="$placement; cores kept out of idle states (cpu_dma_latency 0)"
   echo "cores kept out of idle states while this script runs" >&2
 fi
