@@ -125,14 +125,10 @@ log "headroom replay: $OUT_DIR/trace.jsonl at its timestamps -> $ENDPOINT"
 "$PY" - "$OUT_DIR/guidellm.json" "$OUT_DIR/replay/result.json" "$TOLERANCE_PCT" "$REQUESTS" <<'EOF' | tee "$OUT_DIR/comparison.txt"
 import json, sys
 
-g_path, h_path, tol, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
+sys.path.insert(0, "scripts")
+from agreement import gate, pct
 
-def pct(values, p):
-    """np.percentile(values, p) with linear interpolation (as headroom's report.rs)."""
-    v = sorted(values)
-    rank = p / 100 * (len(v) - 1)
-    lo, hi = int(rank // 1), min(int(rank // 1) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
+g_path, h_path, tol, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 
 g = json.load(open(g_path))["benchmarks"][0]["requests"]["successful"]
 h = json.load(open(h_path))
@@ -162,17 +158,5 @@ print(f"prompt tokens (simulator usage): guidellm {g_prompt[0]}..{g_prompt[-1]}"
 print(f"replay send lateness p99: {hs['send_lateness']['p99_ms']:.3f} ms; "
       f"replay per-chunk ITL min {hs['itl']['min_ms']:.3f} ms (near 0: chunks arrived coalesced)")
 print()
-print(f"| metric | guidellm ms | headroom replay ms | diff |")
-print(f"|---|---|---|---|")
-fail = []
-for name, gv, hv, gated in rows:
-    d = (hv - gv) / gv * 100
-    print(f"| {name} | {gv:.2f} | {hv:.2f} | {d:+.1f} % |")
-    if gated and abs(d) > tol:
-        fail.append(name)
-print()
-if fail:
-    print(f"FAIL: {', '.join(fail)} differ by more than {tol:g} %")
-    sys.exit(1)
-print(f"PASS: TTFT and TPOT p50/p99 agree within {tol:g} %")
+gate("guidellm", rows, tol)
 EOF

@@ -124,14 +124,11 @@ after=$(server_ttft)
 
 "$PY" - "$OUT_DIR/vllm/run.json" "$OUT_DIR/replay/result.json" "$TOLERANCE_PCT" "$REQUESTS" "$before" "$after" "$placement" <<'EOF' | tee "$OUT_DIR/comparison.txt"
 import json, sys
+sys.path.insert(0, "scripts")
+from agreement import gate, pct
+
 v_path, h_path, tol, n = sys.argv[1], sys.argv[2], float(sys.argv[3]), int(sys.argv[4])
 s0, c0 = map(float, sys.argv[5].split()); s1, c1 = map(float, sys.argv[6].split())
-
-def pct(values, p):
-    v = sorted(values)
-    rank = p / 100 * (len(v) - 1)
-    lo, hi = int(rank), min(int(rank) + 1, len(v) - 1)
-    return v[lo] + (v[hi] - v[lo]) * (rank - lo)
 
 v = json.load(open(v_path))
 ok = [i for i, t in enumerate(v["ttfts"]) if t and v["output_lens"][i]]
@@ -148,18 +145,8 @@ print(f"requests: vllm bench serve {len(ok)}, headroom replay {h['completed']}, 
 print(f"mean TTFT: vllm bench serve {sum(v_ttft)/len(v_ttft):.2f} ms, headroom replay {h['ttft']['mean_ms']:.2f} ms; "
       f"the simulator's own (arrival to first token, both clients' {int(c1 - c0)} requests) {1000 * (s1 - s0) / max(c1 - c0, 1):.2f} ms")
 print()
-print("| metric | vllm bench serve ms | headroom replay ms | diff |")
-print("|---|---|---|---|")
-fail = []
-for name, vv, hv in [("TTFT p50", pct(v_ttft, 50), h["ttft"]["p50_ms"]), ("TTFT p99", pct(v_ttft, 99), h["ttft"]["p99_ms"]),
-                     ("TPOT p50", pct(v_tpot, 50), h["tpot"]["p50_ms"]), ("TPOT p99", pct(v_tpot, 99), h["tpot"]["p99_ms"])]:
-    d = (hv - vv) / vv * 100
-    print(f"| {name} | {vv:.2f} | {hv:.2f} | {d:+.1f} % |")
-    if abs(d) > tol:
-        fail.append(name)
-print()
-if fail:
-    print(f"FAIL: {', '.join(fail)} differ by more than {tol:g} %")
-    sys.exit(1)
-print(f"PASS: TTFT and TPOT p50/p99 agree within {tol:g} %")
+gate("vllm bench serve", [
+    ("TTFT p50", pct(v_ttft, 50), h["ttft"]["p50_ms"], True), ("TTFT p99", pct(v_ttft, 99), h["ttft"]["p99_ms"], True),
+    ("TPOT p50", pct(v_tpot, 50), h["tpot"]["p50_ms"], True), ("TPOT p99", pct(v_tpot, 99), h["tpot"]["p99_ms"], True),
+], tol)
 EOF
