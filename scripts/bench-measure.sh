@@ -146,6 +146,11 @@ for run, agreement, title in [("light", "agreement-light", "RAG contract, 3 req/
   w = next(x for x in stats["windows"]["5m"])
   ci, pi = r["summary"]["itl"], w["latency"]["itl_ms"]
   print(f"| ITL ms (pooled; proxy from /stats) | {ci['p50_ms']:.2f} | {pi['p50']:.2f} | {ci['p90_ms']:.2f} | - | {ci['p99_ms']:.2f} | {pi['p99']:.2f} | {max(abs(pi['p50']-ci['p50_ms'])/ci['p50_ms'], abs(pi['p99']-ci['p99_ms'])/ci['p99_ms'])*100:.2f}% |")
+  st = r.get("client_stalls")
+  if st:
+      # The client's own stalls are in its ITL tail and in none of the proxy's numbers.
+      steal = f", CPU steal {st['steal_s']:.2f} s ({100 * st['steal_share']:.2f}%)" if st.get("steal_s") is not None else ""
+      print(f"\nclient stalls (1 ms sleeps overshot): p99 {st['p99_ms']:.3f} ms, max {st['max_ms']:.3f} ms, {st['over_1ms']} over 1 ms ({st['over_1ms_total_ms']:.1f} ms in all){steal}")
   print()
 print("## Round trip: the slice, its capture, and the capture of the capture's replay\n")
 print("| trace | requests | input p50 / p99 / max | output p50 / p99 / max | input tokens | output tokens | ideal hit rate, fleet cache | ideal, unbounded |")

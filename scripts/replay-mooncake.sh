@@ -5,7 +5,8 @@
 # same cache size, and how punctually requests were sent. Loopback only; about 11 minutes at
 # TIME_SCALE=1 (the trace's own pace). PIN=1 puts the replica on a core of its own and the replay
 # on the others (scripts/pin.sh), so that a burst's prompts being read by the replica do not delay
-# the sends.
+# the sends. PRESTAGE=1 replays with --prestage (each request complete at the target on schedule,
+# its headers and body but the last byte sent ahead).
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${ROWS:-2000}
@@ -13,6 +14,8 @@ TIME_SCALE=${TIME_SCALE:-1}
 BLOCKS=${BLOCKS:-100000}
 TRACE=${TRACE:-../shared/traces/mooncake_conversation.jsonl}
 OUT=${OUT:-results/replay-mooncake}
+send_args=()
+[ "${PRESTAGE:-0}" = 1 ] && send_args=(--prestage)
 mkdir -p "$OUT"
 [ -f "$TRACE" ] || { echo "trace not found: $TRACE" >&2; exit 2; }
 cargo build --release --locked -q
@@ -25,7 +28,7 @@ sim=$!
 trap 'kill -INT $sim 2>/dev/null || true; wait $sim 2>/dev/null || true' EXIT
 for _ in $(seq 100); do grep -q http "$OUT/sim.url" 2>/dev/null && break; sleep 0.1; done
 url=$(grep -m1 http "$OUT/sim.url")
-"${load_on[@]}" target/release/headroom replay --trace "$TRACE" --max-requests "$ROWS" --time-scale "$TIME_SCALE" \
+"${load_on[@]}" target/release/headroom replay --trace "$TRACE" --max-requests "$ROWS" --time-scale "$TIME_SCALE" "${send_args[@]}" \
   --target "$url" --hardware "headroom sim, constant 2 ms/1 ms steps, $BLOCKS KV blocks; $placement" --out "$OUT"
 python3 - "$OUT/result.json" <<'PY'
 import json, sys

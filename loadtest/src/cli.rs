@@ -19,6 +19,7 @@ use crate::contracts::{Contract, synthesize};
 use crate::pages;
 use crate::replay::{self, Arrivals, Counters, ReplayOptions};
 use crate::report::{self, RequestRow, Slo, Summary};
+use crate::stalls::StallMeter;
 use crate::synth::Endpoint;
 
 /// Schema name of replay result files (docs/replay-results.md).
@@ -325,6 +326,13 @@ pub struct ReplayArgs {
     /// contract records the names only (values may be keys).
     #[arg(long = "header", value_name = "NAME: VALUE", value_parser = parse_header)]
     pub headers: Vec<(String, String)>,
+    /// Open loop: send each request's headers and body up to its last byte ahead of its time (at
+    /// most 10 ms) and the last byte on time, so that the target holds every request of a burst
+    /// complete on schedule even when one core must hand many large prompts over at once. Send
+    /// times and TTFT then count from the last byte. A proxy in front that times requests from
+    /// their headers counts the wait for that byte as its own.
+    #[arg(long, conflicts_with = "concurrency")]
+    pub prestage: bool,
     /// Sweep the load instead of one run: `concurrency:1,2,4,8` or `rate:1,2,4`, one run of
     /// --sweep-duration seconds per level, each with fresh prompt text (no cache reuse between
     /// levels). Finds the knee and the largest level within the SLO.
@@ -528,6 +536,7 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         timeout: Duration::from_secs_f64(a.timeout),
         run_id: run_id.clone(),
         headers: a.headers.clone(),
+        prestage: a.prestage,
     };
     let lengths = |f: fn(&TraceRecord) -> u32| length_stats(records.iter().map(f));
     let contract = json!({
@@ -545,6 +554,11 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         "output_pinning": "max_tokens = output_length, ignore_eos",
         "sampling": {"temperature": 0},
         "endpoint": a.endpoint.path(), "stream": true,
+        "send": if a.prestage {
+            "prestaged: headers and body but its last byte up to 10 ms early, the last byte at the planned time; send time and client clock from the last byte"
+        } else {
+            "whole request at the planned time; client clock from just before the POST"
+        },
         "prompt_synthesis": "hash id -> seeded block of one-token words; template tokens counted (docs/replay.md)",
         "seed": a.seed,
         "prompt_salt": prompt_salt,
@@ -578,7 +592,9 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         );
     }
     let progress = (!a.quiet).then(|| spawn_progress(counters.clone(), total));
+    let stall_meter = StallMeter::start().context("starting the client stall probe")?;
     let results = replay::run(records.clone(), opts, counters).await;
+    let stalls = stall_meter.finish();
     if let Some(progress) = progress {
         progress.abort();
         if std::io::stderr().is_terminal() {
@@ -600,11 +616,13 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     let rows: Vec<RequestRow> = results.iter().map(RequestRow::from).collect();
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let result_path = a.out.join("result.json");
-    let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "requests": rows});
+    let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "client_stalls": stalls, "requests": rows});
     std::fs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
     std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
     std::fs::write(a.out.join("report.html"), pages::replay_page(&doc)?)?;
     let mut text = report::to_text(&summary);
+    text.push_str(&stalls.line());
+    text.push('\n');
     if let Some(h) = target_info.get("prefix_cache_hit_rate") {
         text.push_str(&format!(
             "target prefix-cache hit rate: {:.1}%",
@@ -1155,6 +1173,12 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 );
             }
             print!("{}", crate::agreement::agreement_text(&joined));
+            // The client's own stalls are in its numbers and in none of the proxy's.
+            if let Ok(stalls) =
+                serde_json::from_value::<crate::stalls::Stalls>(doc["client_stalls"].clone())
+            {
+                println!("{}", stalls.line());
+            }
             if let Some(path) = a.json {
                 std::fs::write(&path, serde_json::to_string_pretty(&joined)?)
                     .with_context(|| format!("writing {}", path.display()))?;

@@ -3,13 +3,14 @@
 //!
 //! | number | definition |
 //! |---|---|
-//! | start | just before the POST |
+//! | start | just before the POST (prestaged: when the body's last byte was handed over) |
 //! | TTFT | arrival of the first SSE message whose `choices` is non-empty (a chat role chunk counts) |
 //! | ITL | gaps between consecutive such messages: per chunk, not per token |
 //! | E2EL | last such message − start (the trailing usage chunk is excluded) |
 //! | TPOT | (E2EL − TTFT) / (output tokens − 1), only when output tokens > 1 |
 //! | output tokens | `usage.completion_tokens` (else the count of token-bearing messages) |
 
+use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
@@ -133,40 +134,111 @@ fn has_choices(v: &Value) -> bool {
         .is_some_and(|c| !c.is_empty())
 }
 
+/// How long before an instant [`wait_until`] stops sleeping on the runtime's timer (which rounds
+/// to milliseconds) and starts yielding, so that the task is awake when the instant comes.
+const SPIN_BEFORE: Duration = Duration::from_millis(3);
+
+/// Waits until `when`: on the runtime's timer until shortly before, then yielding to the other
+/// tasks until the exact instant.
+pub async fn wait_until(when: Instant) {
+    if let Some(coarse) = when
+        .checked_sub(SPIN_BEFORE)
+        .filter(|c| *c > Instant::now())
+    {
+        tokio::time::sleep_until(coarse.into()).await;
+    }
+    while Instant::now() < when {
+        tokio::task::yield_now().await;
+    }
+}
+
 /// Sends the JSON `body` (already serialized; it must ask for `stream: true`) to `url` with
-/// `headers`, and times the stream.
+/// `headers`, and times the stream from just before the POST.
 pub async fn send_streaming_with(
     client: &reqwest::Client,
     url: &str,
     body: bytes::Bytes,
     headers: &[(&str, &str)],
 ) -> Timing {
-    let start = Instant::now();
+    send_timed(client, url, body, headers, None).await.0
+}
+
+/// Sends a prestaged request: the headers and the body up to its last byte go now, the last byte
+/// at `complete_at` (or as soon after as the connection takes it), so that the server holds the
+/// complete request at its time however many large requests are due at once. Returns the timing,
+/// measured from the moment the last byte was handed to the connection, and that moment (or, for a
+/// request that failed before it, the moment it was started).
+pub async fn send_streaming_at(
+    client: &reqwest::Client,
+    url: &str,
+    body: bytes::Bytes,
+    headers: &[(&str, &str)],
+    complete_at: Instant,
+) -> (Timing, Instant) {
+    send_timed(client, url, body, headers, Some(complete_at)).await
+}
+
+/// The request body: whole, or (prestaged) all but its last byte at once and that byte at an
+/// instant, recording when it was handed over.
+fn request_body(
+    body: bytes::Bytes,
+    complete_at: Option<Instant>,
+    completed: &Arc<OnceLock<Instant>>,
+) -> reqwest::Body {
+    let Some(at) = complete_at.filter(|_| !body.is_empty()) else {
+        return reqwest::Body::from(body);
+    };
+    let head = body.slice(..body.len() - 1);
+    let last = body.slice(body.len() - 1..);
+    let completed = completed.clone();
+    let tail = futures_util::stream::once(async move {
+        wait_until(at).await;
+        let _ = completed.set(Instant::now());
+        Ok::<_, std::convert::Infallible>(last)
+    });
+    reqwest::Body::wrap_stream(futures_util::stream::iter([Ok(head)]).chain(tail))
+}
+
+async fn send_timed(
+    client: &reqwest::Client,
+    url: &str,
+    body: bytes::Bytes,
+    headers: &[(&str, &str)],
+    complete_at: Option<Instant>,
+) -> (Timing, Instant) {
+    let attempt = Instant::now();
+    let completed = Arc::new(OnceLock::new());
     let mut t = Timing {
         target: url.to_owned(),
         ..Timing::default()
     };
+    // A streamed body is sent with its length (not chunked), as a whole one is.
     let mut req = client
         .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
-        .body(body);
+        .header(reqwest::header::CONTENT_LENGTH, body.len())
+        .body(request_body(body, complete_at, &completed));
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
+    // The clock starts when the server can hold the whole request: before the POST, or when a
+    // prestaged request's last byte went (an early answer, e.g. a refusal, starts it at the POST).
+    let start = || completed.get().copied().unwrap_or(attempt);
     let resp = match req.send().await {
         Ok(r) => r,
         Err(e) => {
             t.failure = Some(Failure::Transport(e.to_string()));
-            t.e2e = start.elapsed();
-            return t;
+            t.e2e = start().elapsed();
+            return (t, start());
         }
     };
+    let start = start();
     t.status = resp.status().as_u16();
     if !resp.status().is_success() {
         let text = resp.text().await.unwrap_or_default();
         t.failure = Some(Failure::Status(t.status, text.chars().take(300).collect()));
         t.e2e = start.elapsed();
-        return t;
+        return (t, start);
     }
     let mut parser = SseParser::new();
     let mut stream = resp.bytes_stream();
@@ -228,7 +300,7 @@ pub async fn send_streaming_with(
     if t.failure.is_none() {
         t.output = Some(digest.finish());
     }
-    t
+    (t, start)
 }
 
 /// [`send_streaming_with`] for a JSON value, without extra headers.
@@ -304,5 +376,68 @@ mod tests {
             other => panic!("{other:?}"),
         }
         assert_eq!(t.completion_tokens, 1);
+    }
+
+    /// Reads from `conn` into `got` until the body after the head holds `want` bytes; returns the
+    /// head's length.
+    async fn read_until_body(
+        conn: &mut tokio::net::TcpStream,
+        got: &mut Vec<u8>,
+        want: usize,
+    ) -> usize {
+        let mut buf = [0u8; 4096];
+        loop {
+            if let Some(h) = got.windows(4).position(|w| w == b"\r\n\r\n") {
+                if got.len() - (h + 4) >= want {
+                    return h + 4;
+                }
+            }
+            let k = conn.read(&mut buf).await.unwrap();
+            assert!(k > 0, "connection closed early");
+            got.extend_from_slice(&buf[..k]);
+        }
+    }
+
+    #[tokio::test]
+    async fn a_prestaged_request_is_complete_only_at_its_time_and_timed_from_its_last_byte() {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+        let url = format!("http://{}/v1/completions", listener.local_addr().unwrap());
+        let body = bytes::Bytes::from_static(b"{\"prompt\":\"hello\",\"stream\":true}");
+        let n = body.len();
+        // The wait is long against the machine's noise: a clock started at the POST would show it.
+        let wait = Duration::from_millis(500);
+        let complete_at = Instant::now() + wait;
+        let server = tokio::spawn(async move {
+            let (mut conn, _) = listener.accept().await.unwrap();
+            let mut got = Vec::new();
+            let head_len = read_until_body(&mut conn, &mut got, n - 1).await;
+            let head_at = Instant::now();
+            read_until_body(&mut conn, &mut got, n).await;
+            let last_at = Instant::now();
+            let sse = "data: {\"choices\":[{\"index\":0,\"text\":\"a\"}]}\n\ndata: [DONE]\n\n";
+            let answer = format!(
+                "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: {}\r\nconnection: close\r\n\r\n{sse}",
+                sse.len()
+            );
+            conn.write_all(answer.as_bytes()).await.unwrap();
+            let head = String::from_utf8_lossy(&got[..head_len]).to_lowercase();
+            (head, got[head_len..].to_vec(), head_at, last_at)
+        });
+        let client = reqwest::Client::new();
+        let (t, sent) = send_streaming_at(&client, &url, body.clone(), &[], complete_at).await;
+        let (head, received, head_at, last_at) = server.await.unwrap();
+        assert!(t.ok(), "{:?}", t.failure);
+        assert_eq!(received, body, "the body arrives whole");
+        assert!(head.contains(&format!("content-length: {n}")), "{head}");
+        assert!(!head.contains("transfer-encoding"), "{head}");
+        assert!(head_at < complete_at, "all but the last byte went ahead");
+        assert!(
+            sent >= complete_at && last_at >= complete_at,
+            "the last byte waited"
+        );
+        assert!(
+            t.ttft.unwrap() < wait && t.e2e < wait,
+            "timed from the last byte, not from the POST: {t:?}"
+        );
     }
 }

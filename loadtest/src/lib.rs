@@ -11,5 +11,6 @@ pub mod html;
 pub mod pages;
 pub mod replay;
 pub mod report;
+pub mod stalls;
 pub mod stats;
 pub mod synth;

@@ -22,7 +22,7 @@ use rand::rngs::StdRng;
 use rand_distr::{Distribution, Gamma};
 use serde_json::{Value, json};
 
-use crate::client::{Failure, Timing, send_streaming_with};
+use crate::client::{Failure, Timing, send_streaming_at, send_streaming_with, wait_until};
 use crate::synth::{Endpoint, prompt_for};
 
 /// How requests arrive.
@@ -76,6 +76,10 @@ pub struct ReplayOptions {
     pub run_id: String,
     /// Extra headers sent with every request (e.g. the proxy's class header).
     pub headers: Vec<(String, String)>,
+    /// Open loop: send each request's headers and body up to its last byte ahead of its time and
+    /// the last byte on time, so that the server holds a burst of large requests complete on
+    /// schedule; send times and client timings then start at the last byte.
+    pub prestage: bool,
 }
 
 /// One request's outcome with its place in the plan.
@@ -173,11 +177,14 @@ pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Opti
 
 /// Bodies prepared ahead of their send time.
 const LOOKAHEAD: usize = 256;
+/// The body builder keeps off the core from this long before a send is due ...
+const BUILDER_QUIET_BEFORE: Duration = Duration::from_millis(20);
+/// ... until this long after it: even in the idle scheduling class, a slice the builder is given
+/// while the sends of a burst wait to go out delays them by milliseconds.
+const BUILDER_QUIET_AFTER: Duration = Duration::from_millis(3);
 /// How long before its time a request is handed to the runtime (waking a parked worker can take
 /// milliseconds on a busy machine).
 const EARLY_RELEASE: Duration = Duration::from_millis(10);
-/// How long before its time a released request stops sleeping and starts yielding.
-const SPIN_BEFORE: Duration = Duration::from_millis(3);
 
 struct Shared {
     client: reqwest::Client,
@@ -195,56 +202,52 @@ fn body_bytes(shared: &Shared, index: usize) -> bytes::Bytes {
     )
 }
 
-/// Sends request `index` with its prepared body at its scheduled time (yielding until then, for at
-/// most [`EARLY_RELEASE`]); the send time is taken just before the POST.
+/// Sends request `index` with its prepared body at its scheduled time (waiting until then, for at
+/// most [`EARLY_RELEASE`]; prestaged, the body's last byte waits); the send time is taken just
+/// before the POST (prestaged: when the last byte went).
 async fn send_one(
     shared: Arc<Shared>,
     index: usize,
     scheduled: Option<Duration>,
     body: bytes::Bytes,
 ) -> RequestResult {
-    if let Some(at) = scheduled {
-        // Coarse wait on the runtime's timer, then yield until the exact instant: the worker is
-        // already awake when the time comes.
-        let when = shared.start + at;
-        if let Some(coarse) = when
-            .checked_sub(SPIN_BEFORE)
-            .filter(|c| *c > Instant::now())
-        {
-            tokio::time::sleep_until(coarse.into()).await;
-        }
-        while Instant::now() < when {
-            tokio::task::yield_now().await;
-        }
+    let when = scheduled.map(|at| shared.start + at);
+    let prestage = shared.opts.prestage && when.is_some();
+    if let Some(when) = when.filter(|_| !prestage) {
+        wait_until(when).await;
     }
     let record = &shared.records[index];
     let row = shared.opts.rows.as_ref().map_or(index, |rows| rows[index]);
     let url = &shared.urls[row % shared.urls.len()];
     let request_id = format!("{}-{row}", shared.opts.run_id);
-    let sent = shared.start.elapsed();
+    let started = Instant::now();
     shared.counters.sent.fetch_add(1, Ordering::Relaxed);
-    let timing = match tokio::time::timeout(
-        shared.opts.timeout,
-        send_streaming_with(
-            &shared.client,
-            url,
-            body,
-            &request_headers(&shared.opts, &request_id),
-        ),
-    )
-    .await
-    {
-        Ok(t) => t,
-        Err(_) => Timing {
-            failure: Some(Failure::Timeout(format!(
-                "no answer within {:?}",
-                shared.opts.timeout
-            ))),
-            e2e: shared.opts.timeout,
-            target: url.clone(),
-            ..Timing::default()
-        },
+    let headers = request_headers(&shared.opts, &request_id);
+    let exchange = async {
+        match when.filter(|_| prestage) {
+            Some(at) => send_streaming_at(&shared.client, url, body, &headers, at).await,
+            None => (
+                send_streaming_with(&shared.client, url, body, &headers).await,
+                started,
+            ),
+        }
     };
+    let (timing, sent_at) = match tokio::time::timeout(shared.opts.timeout, exchange).await {
+        Ok(t) => t,
+        Err(_) => (
+            Timing {
+                failure: Some(Failure::Timeout(format!(
+                    "no answer within {:?}",
+                    shared.opts.timeout
+                ))),
+                e2e: shared.opts.timeout,
+                target: url.clone(),
+                ..Timing::default()
+            },
+            when.map_or(started, |w| w.max(started)),
+        ),
+    };
+    let sent = sent_at.saturating_duration_since(shared.start);
     if !timing.ok() {
         shared.counters.failed.fetch_add(1, Ordering::Relaxed);
     }
@@ -320,18 +323,22 @@ async fn open_loop(
     // released on time; the dispatcher thread only sleeps and releases.
     let (ready_tx, ready_rx) =
         std::sync::mpsc::sync_channel::<(usize, Duration, bytes::Bytes)>(LOOKAHEAD);
+    // The index of the next request the dispatcher will release.
+    let released = Arc::new(AtomicUsize::new(0));
     let builder = {
         let shared = shared.clone();
+        let released = released.clone();
         std::thread::Builder::new()
             .name("replay-build".into())
             .spawn(move || {
                 // Bodies are built up to LOOKAHEAD ahead, so the builder can wait: it must not
                 // take the core from the sends of a burst (each send frees a place it refills).
                 headroom_workload::realtime::lower_current_thread();
-                for (index, at) in offsets.into_iter().enumerate() {
+                for (index, &at) in offsets.iter().enumerate() {
                     if deadline.is_some_and(|d| shared.start + at > d) {
                         break;
                     }
+                    keep_off_sends(&shared, &offsets, &released, index);
                     if ready_tx
                         .send((index, at, body_bytes(&shared, index)))
                         .is_err()
@@ -360,6 +367,7 @@ async fn open_loop(
                         std::thread::sleep(when - now);
                     }
                     let task = runtime.spawn(send_one(shared.clone(), index, Some(at), body));
+                    released.store(index + 1, Ordering::Release);
                     if tx.send(task).is_err() {
                         break;
                     }
@@ -380,6 +388,34 @@ async fn open_loop(
         }
     }
     out
+}
+
+/// Holds the body builder, about to build body `index`, while [`builder_pause`] says so.
+fn keep_off_sends(shared: &Shared, offsets: &[Duration], released: &AtomicUsize, index: usize) {
+    loop {
+        let next = released.load(Ordering::Acquire);
+        let due = offsets.get(next).map(|&at| shared.start + at);
+        match builder_pause(Instant::now(), index, next, due) {
+            Some(pause) => std::thread::sleep(pause),
+            None => return,
+        }
+    }
+}
+
+/// How long the builder, about to build body `index`, waits when the dispatcher's next release is
+/// request `next`, due at `due`: while that send is due within [`BUILDER_QUIET_BEFORE`] or was due
+/// less than [`BUILDER_QUIET_AFTER`] ago, until the end of that window; never when the dispatcher
+/// is waiting for this very body.
+fn builder_pause(
+    now: Instant,
+    index: usize,
+    next: usize,
+    due: Option<Instant>,
+) -> Option<Duration> {
+    let due = due.filter(|_| index > next)?;
+    let quiet_from = due.checked_sub(BUILDER_QUIET_BEFORE).unwrap_or(due);
+    let quiet_until = due + BUILDER_QUIET_AFTER;
+    (quiet_from <= now && now < quiet_until).then(|| quiet_until - now)
 }
 
 async fn closed_loop(
@@ -428,6 +464,26 @@ mod tests {
                 ..TraceRecord::default()
             })
             .collect()
+    }
+
+    #[test]
+    fn the_builder_keeps_off_the_core_around_a_due_send_unless_it_is_waited_for() {
+        let now = Instant::now();
+        let ms = Duration::from_millis;
+        // A send due in 5 ms: the builder, ahead, waits until 3 ms after it.
+        assert_eq!(builder_pause(now, 7, 5, Some(now + ms(5))), Some(ms(8)));
+        // Due 2 ms ago: 1 ms more.
+        assert_eq!(
+            builder_pause(now + ms(7), 7, 5, Some(now + ms(5))),
+            Some(ms(1))
+        );
+        // Far off, or long past: build now.
+        assert_eq!(builder_pause(now, 7, 5, Some(now + ms(500))), None);
+        assert_eq!(builder_pause(now + ms(9), 7, 5, Some(now + ms(5))), None);
+        // The dispatcher waits for this very body: build now, whenever its send is due.
+        assert_eq!(builder_pause(now, 5, 5, Some(now + ms(5))), None);
+        // Every request released.
+        assert_eq!(builder_pause(now, 7, 5, None), None);
     }
 
     #[test]
@@ -500,6 +556,7 @@ mod tests {
             timeout: Duration::from_secs(1),
             run_id: "r".into(),
             headers: Vec::new(),
+            prestage: false,
         };
         let b = body_for(&r, &opts);
         assert_eq!(b["max_completion_tokens"], 7);

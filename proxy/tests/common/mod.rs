@@ -127,6 +127,7 @@ pub fn options(target: String, seed: u64, time_scale: f64) -> ReplayOptions {
         timeout: Duration::from_secs(60),
         run_id: format!("m{seed}"),
         headers: Vec::new(),
+        prestage: false,
     }
 }
 
