@@ -65,14 +65,14 @@ run() {
 $bin trace synth --contract rag --requests "${LIGHT_REQUESTS:-150}" --rate 3 --seed 3 -o "$OUT/rag.jsonl"
 run light "$OUT/rag.jsonl"
 $bin report agreement --result "$OUT/light/result.json" --capture "$OUT/light/capture.jsonl" \
-  --json "$OUT/agreement-light.json" | tee "$OUT/agreement-light.txt"
+  --stats "$OUT/light/stats.json" --json "$OUT/agreement-light.json" | tee "$OUT/agreement-light.txt"
 if [ "${LIGHT_ONLY:-0}" = 1 ]; then
   echo "LIGHT_ONLY=1: stopping after the light-load agreement ($OUT/agreement-light.txt)" >&2
   exit 0
 fi
 run first "$slice"
 $bin report agreement --result "$OUT/first/result.json" --capture "$OUT/first/capture.jsonl" \
-  --json "$OUT/agreement.json" | tee "$OUT/agreement.txt"
+  --stats "$OUT/first/stats.json" --json "$OUT/agreement.json" | tee "$OUT/agreement.txt"
 run second "$OUT/first/capture.jsonl"
 
 # Mooncake's timestamps are whole seconds (300 rows share 35 of them), so requests that tie are

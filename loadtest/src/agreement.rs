@@ -17,7 +17,7 @@ use std::fmt::Write as _;
 use headroom_workload::trace::TraceRecord;
 use serde::Serialize;
 
-use crate::report::{Dist, RequestRow};
+use crate::report::{Buckets, Dist, RequestRow};
 
 /// The joined comparison.
 #[derive(Debug, Clone, Serialize)]
@@ -92,6 +92,109 @@ pub fn agreement(rows: &[RequestRow], capture: &[TraceRecord]) -> Agreement {
         e2e_proxy: dist(&mut ep),
         tokens_equal,
     }
+}
+
+/// Pooled ITL, the client's against the proxy's `/stats` window.
+#[derive(Debug, Clone, Serialize)]
+pub struct ItlAgreement {
+    /// The `/stats` window read.
+    pub window: String,
+    /// Gaps the client measured.
+    pub client_gaps: usize,
+    /// Gaps in the proxy's window.
+    pub proxy_gaps: u64,
+    /// One row per percentile both sides report.
+    pub rows: Vec<ItlRow>,
+}
+
+/// One percentile of the pooled ITL on both sides.
+#[derive(Debug, Clone, Serialize)]
+pub struct ItlRow {
+    /// The percentile (50, 95, 99).
+    pub percentile: f64,
+    /// The client's value, ms.
+    pub client_ms: f64,
+    /// The proxy's value, ms.
+    pub proxy_ms: f64,
+    /// Percent of the client's gaps at or below the proxy's value (where the proxy's value falls
+    /// in the client's distribution), when the result kept its ITL buckets.
+    pub client_percent_at_proxy: Option<f64>,
+}
+
+/// Reads the proxy's pooled ITL from a `/stats` document (`windows.<window>`: exactly one pool and
+/// class entry) and sets it beside the client's.
+pub fn itl_agreement(
+    client: &Dist,
+    client_buckets: Option<&Buckets>,
+    stats: &serde_json::Value,
+    window: &str,
+) -> anyhow::Result<ItlAgreement> {
+    let entries = stats["windows"][window]
+        .as_array()
+        .ok_or_else(|| anyhow::anyhow!("no `windows.{window}` in the /stats document"))?;
+    let [entry] = entries.as_slice() else {
+        anyhow::bail!(
+            "the /stats window {window} has {} pool/class entries; a pooled ITL needs exactly one",
+            entries.len()
+        );
+    };
+    let itl = &entry["latency"]["itl_ms"];
+    let value = |k: &str| {
+        itl[k]
+            .as_f64()
+            .ok_or_else(|| anyhow::anyhow!("no `latency.itl_ms.{k}` in the {window} window"))
+    };
+    let mut rows = Vec::new();
+    for (percentile, key, client_ms) in [
+        (50.0, "p50", client.p50_ms),
+        (95.0, "p95", client.p95_ms),
+        (99.0, "p99", client.p99_ms),
+    ] {
+        let proxy_ms = value(key)?;
+        rows.push(ItlRow {
+            percentile,
+            client_ms,
+            proxy_ms,
+            client_percent_at_proxy: client_buckets
+                .and_then(|b| b.share_at_or_below(proxy_ms))
+                .map(|s| 100.0 * s),
+        });
+    }
+    Ok(ItlAgreement {
+        window: window.to_owned(),
+        client_gaps: client.count,
+        proxy_gaps: itl["count"].as_u64().unwrap_or(0),
+        rows,
+    })
+}
+
+/// The pooled ITL comparison as a table.
+pub fn itl_text(a: &ItlAgreement) -> String {
+    let mut s = String::new();
+    let _ = writeln!(
+        s,
+        "\npooled ITL: the client's {} gaps against the proxy's {} (/stats, {} window)\n",
+        a.client_gaps, a.proxy_gaps, a.window
+    );
+    let _ = writeln!(
+        s,
+        "| percentile | client ms | proxy ms | diff | the proxy's value is the client's |"
+    );
+    let _ = writeln!(s, "|---|---|---|---|---|");
+    for r in &a.rows {
+        let at = r
+            .client_percent_at_proxy
+            .map_or_else(|| "-".to_owned(), |p| format!("p{p:.2}"));
+        let _ = writeln!(
+            s,
+            "| p{} | {:.3} | {:.3} | {} | {at} |",
+            r.percentile,
+            r.client_ms,
+            r.proxy_ms,
+            rel(r.client_ms, r.proxy_ms)
+        );
+    }
+    s
 }
 
 fn rel(client: f64, proxy: f64) -> String {
@@ -173,6 +276,36 @@ mod tests {
             completion_tokens: 5,
             output: None,
         }
+    }
+
+    #[test]
+    fn pooled_itl_is_read_from_one_stats_entry_and_placed_in_the_clients_distribution() {
+        let stats = serde_json::json!({"windows": {"5m": [{"pool": "default", "class": "default",
+            "latency": {"itl_ms": {"count": 4, "p50": 8.0, "p95": 9.0, "p99": 10.0, "max": 12.0}}}]}});
+        // The client: 96 gaps of 8 ms, then 9.5, 10, 13 and 13 ms.
+        let mut values: Vec<f64> = vec![8.0; 96];
+        values.extend([9.5, 10.0, 13.0, 13.0]);
+        let buckets = Buckets::of(values.iter().copied());
+        assert_eq!(buckets.count(), 100);
+        let client = Dist::of(&mut values);
+        let a = itl_agreement(&client, Some(&buckets), &stats, "5m").unwrap();
+        assert_eq!(a.rows.len(), 3);
+        let p99 = &a.rows[2];
+        assert_eq!((p99.percentile, p99.proxy_ms), (99.0, 10.0));
+        // 98 of the client's 100 gaps are at or below the proxy's 10 ms.
+        assert_eq!(p99.client_percent_at_proxy, Some(98.0));
+        assert!(
+            itl_text(&a).contains("| p99 | 13.000 | 10.000 | -23.08% | p98.00 |"),
+            "{}",
+            itl_text(&a)
+        );
+        // Several entries, or no window: a clear error.
+        let two = serde_json::json!({"windows": {"5m": [{}, {}]}});
+        let e = itl_agreement(&client, None, &two, "5m")
+            .unwrap_err()
+            .to_string();
+        assert!(e.contains("2 pool/class entries"), "{e}");
+        assert!(itl_agreement(&client, None, &stats, "1h").is_err());
     }
 
     #[test]

@@ -18,7 +18,7 @@ use crate::analysis;
 use crate::contracts::{Contract, synthesize};
 use crate::pages;
 use crate::replay::{self, Arrivals, Counters, ReplayOptions};
-use crate::report::{self, RequestRow, Slo, Summary};
+use crate::report::{self, Dist, RequestRow, Slo, Summary};
 use crate::stalls::StallMeter;
 use crate::synth::Endpoint;
 
@@ -522,6 +522,14 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
             rand::random::<u64>()
         }
     });
+    // Prestaging holds back the last byte of an open-loop send; closed-loop sends (a concurrency
+    // run or sweep) go whole, and the contract says which.
+    let prestaged = a.prestage
+        && !matches!(arrivals, Arrivals::Concurrency(_))
+        && !a
+            .sweep
+            .as_deref()
+            .is_some_and(|s| s.trim().starts_with("concurrency"));
     let opts = ReplayOptions {
         targets: targets.clone(),
         endpoint: a.endpoint,
@@ -536,7 +544,7 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         timeout: Duration::from_secs_f64(a.timeout),
         run_id: run_id.clone(),
         headers: a.headers.clone(),
-        prestage: a.prestage,
+        prestage: prestaged,
     };
     let lengths = |f: fn(&TraceRecord) -> u32| length_stats(records.iter().map(f));
     let contract = json!({
@@ -554,7 +562,7 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         "output_pinning": "max_tokens = output_length, ignore_eos",
         "sampling": {"temperature": 0},
         "endpoint": a.endpoint.path(), "stream": true,
-        "send": if a.prestage {
+        "send": if prestaged {
             "prestaged: headers and body but its last byte up to 10 ms early, the last byte at the planned time; send time and client clock from the last byte"
         } else {
             "whole request at the planned time; client clock from just before the POST"
@@ -616,7 +624,8 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     let rows: Vec<RequestRow> = results.iter().map(RequestRow::from).collect();
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let result_path = a.out.join("result.json");
-    let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "client_stalls": stalls, "requests": rows});
+    let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "client_stalls": stalls,
+        "itl_buckets": report::itl_buckets(&results), "requests": rows});
     std::fs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
     std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
     std::fs::write(a.out.join("report.html"), pages::replay_page(&doc)?)?;
@@ -971,6 +980,13 @@ pub struct AgreementArgs {
     /// The proxy's capture (JSONL).
     #[arg(long)]
     pub capture: PathBuf,
+    /// The proxy's `/stats` JSON saved at the end of the run: its pooled ITL percentiles are set
+    /// beside the client's, with the share of the client's gaps at or below each.
+    #[arg(long)]
+    pub stats: Option<PathBuf>,
+    /// The `/stats` window to read.
+    #[arg(long, default_value = "5m")]
+    pub window: String,
     /// Also write the numbers as JSON here.
     #[arg(long)]
     pub json: Option<PathBuf>,
@@ -1173,6 +1189,25 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 );
             }
             print!("{}", crate::agreement::agreement_text(&joined));
+            let itl = match &a.stats {
+                Some(path) => {
+                    let stats = read_json(path)?;
+                    let client_buckets: Option<report::Buckets> =
+                        serde_json::from_value(doc["itl_buckets"].clone()).ok();
+                    let client_itl: Dist = serde_json::from_value(doc["summary"]["itl"].clone())
+                        .with_context(|| format!("{} has no ITL summary", a.result.display()))?;
+                    let itl = crate::agreement::itl_agreement(
+                        &client_itl,
+                        client_buckets.as_ref(),
+                        &stats,
+                        &a.window,
+                    )
+                    .with_context(|| format!("reading the ITL of {}", path.display()))?;
+                    print!("{}", crate::agreement::itl_text(&itl));
+                    Some(itl)
+                }
+                None => None,
+            };
             // The client's own stalls are in its numbers and in none of the proxy's.
             if let Ok(stalls) =
                 serde_json::from_value::<crate::stalls::Stalls>(doc["client_stalls"].clone())
@@ -1180,7 +1215,9 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 println!("{}", stalls.line());
             }
             if let Some(path) = a.json {
-                std::fs::write(&path, serde_json::to_string_pretty(&joined)?)
+                let mut out = serde_json::to_value(&joined)?;
+                out["itl"] = serde_json::to_value(&itl)?;
+                std::fs::write(&path, serde_json::to_string_pretty(&out)?)
                     .with_context(|| format!("writing {}", path.display()))?;
             }
         }

@@ -166,8 +166,8 @@ pub async fn send_streaming_with(
 /// Sends a prestaged request: the headers and the body up to its last byte go now, the last byte
 /// at `complete_at` (or as soon after as the connection takes it), so that the server holds the
 /// complete request at its time however many large requests are due at once. Returns the timing,
-/// measured from the moment the last byte was handed to the connection, and that moment (or, for a
-/// request that failed before it, the moment it was started).
+/// measured from the moment the last byte was handed to the connection, and that moment (for a
+/// request that ended before, e.g. refused on its headers, its planned instant).
 pub async fn send_streaming_at(
     client: &reqwest::Client,
     url: &str,
@@ -199,6 +199,8 @@ fn request_body(
     reqwest::Body::wrap_stream(futures_util::stream::iter([Ok(head)]).chain(tail))
 }
 
+/// Sends and times one request; returns when it was sent: just before the POST, or when a
+/// prestaged request's last byte went (for one that ended before, its planned instant).
 async fn send_timed(
     client: &reqwest::Client,
     url: &str,
@@ -208,6 +210,23 @@ async fn send_timed(
 ) -> (Timing, Instant) {
     let attempt = Instant::now();
     let completed = Arc::new(OnceLock::new());
+    let t = exchange(client, url, body, headers, complete_at, attempt, &completed).await;
+    let sent = completed
+        .get()
+        .copied()
+        .unwrap_or_else(|| complete_at.map_or(attempt, |at| at.max(attempt)));
+    (t, sent)
+}
+
+async fn exchange(
+    client: &reqwest::Client,
+    url: &str,
+    body: bytes::Bytes,
+    headers: &[(&str, &str)],
+    complete_at: Option<Instant>,
+    attempt: Instant,
+    completed: &Arc<OnceLock<Instant>>,
+) -> Timing {
     let mut t = Timing {
         target: url.to_owned(),
         ..Timing::default()
@@ -217,7 +236,7 @@ async fn send_timed(
         .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header(reqwest::header::CONTENT_LENGTH, body.len())
-        .body(request_body(body, complete_at, &completed));
+        .body(request_body(body, complete_at, completed));
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
@@ -229,7 +248,7 @@ async fn send_timed(
         Err(e) => {
             t.failure = Some(Failure::Transport(e.to_string()));
             t.e2e = start().elapsed();
-            return (t, start());
+            return t;
         }
     };
     let start = start();
@@ -238,7 +257,7 @@ async fn send_timed(
         let text = resp.text().await.unwrap_or_default();
         t.failure = Some(Failure::Status(t.status, text.chars().take(300).collect()));
         t.e2e = start.elapsed();
-        return (t, start);
+        return t;
     }
     let mut parser = SseParser::new();
     let mut stream = resp.bytes_stream();
@@ -300,7 +319,7 @@ async fn send_timed(
     if t.failure.is_none() {
         t.output = Some(digest.finish());
     }
-    (t, start)
+    t
 }
 
 /// [`send_streaming_with`] for a JSON value, without extra headers.

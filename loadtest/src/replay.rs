@@ -182,6 +182,8 @@ const BUILDER_QUIET_BEFORE: Duration = Duration::from_millis(20);
 /// ... until this long after it: even in the idle scheduling class, a slice the builder is given
 /// while the sends of a burst wait to go out delays them by milliseconds.
 const BUILDER_QUIET_AFTER: Duration = Duration::from_millis(3);
+/// The builder only keeps off while at least this many bodies are ready.
+const BUILDER_MIN_AHEAD: usize = 32;
 /// How long before its time a request is handed to the runtime (waking a parked worker can take
 /// milliseconds on a busy machine).
 const EARLY_RELEASE: Duration = Duration::from_millis(10);
@@ -212,7 +214,8 @@ async fn send_one(
     body: bytes::Bytes,
 ) -> RequestResult {
     let when = scheduled.map(|at| shared.start + at);
-    let prestage = shared.opts.prestage && when.is_some();
+    // An empty body has no last byte to hold back: it is sent whole, on time.
+    let prestage = shared.opts.prestage && when.is_some() && !body.is_empty();
     if let Some(when) = when.filter(|_| !prestage) {
         wait_until(when).await;
     }
@@ -394,28 +397,39 @@ async fn open_loop(
 fn keep_off_sends(shared: &Shared, offsets: &[Duration], released: &AtomicUsize, index: usize) {
     loop {
         let next = released.load(Ordering::Acquire);
-        let due = offsets.get(next).map(|&at| shared.start + at);
-        match builder_pause(Instant::now(), index, next, due) {
+        let due = |i: usize| offsets.get(i).map(|&at| shared.start + at);
+        let last_due = next.checked_sub(1).and_then(due);
+        match builder_pause(Instant::now(), index - next.min(index), last_due, due(next)) {
             Some(pause) => std::thread::sleep(pause),
             None => return,
         }
     }
 }
 
-/// How long the builder, about to build body `index`, waits when the dispatcher's next release is
-/// request `next`, due at `due`: while that send is due within [`BUILDER_QUIET_BEFORE`] or was due
-/// less than [`BUILDER_QUIET_AFTER`] ago, until the end of that window; never when the dispatcher
-/// is waiting for this very body.
+/// How long the body builder waits before building its next body, `ahead` bodies ahead of the
+/// dispatcher, when the last request released was due at `last_due` and the next is due at
+/// `next_due`: while a send is near (from [`BUILDER_QUIET_BEFORE`] before the next one is due to
+/// [`BUILDER_QUIET_AFTER`] after either is), in slices of at most 1 ms so that it sees the
+/// dispatcher move on; never while fewer than [`BUILDER_MIN_AHEAD`] bodies are ready (a dense
+/// schedule always has a send near, and the dispatcher must not run dry).
 fn builder_pause(
     now: Instant,
-    index: usize,
-    next: usize,
-    due: Option<Instant>,
+    ahead: usize,
+    last_due: Option<Instant>,
+    next_due: Option<Instant>,
 ) -> Option<Duration> {
-    let due = due.filter(|_| index > next)?;
-    let quiet_from = due.checked_sub(BUILDER_QUIET_BEFORE).unwrap_or(due);
-    let quiet_until = due + BUILDER_QUIET_AFTER;
-    (quiet_from <= now && now < quiet_until).then(|| quiet_until - now)
+    if ahead < BUILDER_MIN_AHEAD {
+        return None;
+    }
+    let after_last = last_due
+        .map(|d| d + BUILDER_QUIET_AFTER)
+        .filter(|&end| now < end);
+    let around_next = next_due
+        .filter(|&d| now >= d.checked_sub(BUILDER_QUIET_BEFORE).unwrap_or(d))
+        .map(|d| d + BUILDER_QUIET_AFTER)
+        .filter(|&end| now < end);
+    let end = after_last.into_iter().chain(around_next).max()?;
+    Some((end - now).min(Duration::from_millis(1)))
 }
 
 async fn closed_loop(
@@ -467,23 +481,41 @@ mod tests {
     }
 
     #[test]
-    fn the_builder_keeps_off_the_core_around_a_due_send_unless_it_is_waited_for() {
+    fn the_builder_keeps_off_the_core_around_sends_while_it_is_well_ahead() {
         let now = Instant::now();
         let ms = Duration::from_millis;
-        // A send due in 5 ms: the builder, ahead, waits until 3 ms after it.
-        assert_eq!(builder_pause(now, 7, 5, Some(now + ms(5))), Some(ms(8)));
-        // Due 2 ms ago: 1 ms more.
+        let ahead = BUILDER_MIN_AHEAD;
+        // The next send due in 5 ms: wait, in slices of 1 ms.
         assert_eq!(
-            builder_pause(now + ms(7), 7, 5, Some(now + ms(5))),
+            builder_pause(now, ahead, None, Some(now + ms(5))),
             Some(ms(1))
         );
-        // Far off, or long past: build now.
-        assert_eq!(builder_pause(now, 7, 5, Some(now + ms(500))), None);
-        assert_eq!(builder_pause(now + ms(9), 7, 5, Some(now + ms(5))), None);
-        // The dispatcher waits for this very body: build now, whenever its send is due.
-        assert_eq!(builder_pause(now, 5, 5, Some(now + ms(5))), None);
-        // Every request released.
-        assert_eq!(builder_pause(now, 7, 5, None), None);
+        // The last released send was due 2 ms ago (its task is sending now): wait 1 ms more, even
+        // with the next far off.
+        assert_eq!(
+            builder_pause(now + ms(2), ahead, Some(now), Some(now + ms(500))),
+            Some(ms(1))
+        );
+        let end = builder_pause(
+            now + ms(2) + Duration::from_micros(500),
+            ahead,
+            Some(now),
+            None,
+        );
+        assert_eq!(end, Some(Duration::from_micros(500)));
+        // Both far: build now.
+        assert_eq!(
+            builder_pause(now + ms(9), ahead, Some(now), Some(now + ms(500))),
+            None
+        );
+        // Few bodies ready (a dense schedule, or the dispatcher waiting): build now, whatever is due.
+        assert_eq!(
+            builder_pause(now, ahead - 1, Some(now), Some(now + ms(1))),
+            None
+        );
+        assert_eq!(builder_pause(now, 0, None, Some(now + ms(1))), None);
+        // Every request released long ago.
+        assert_eq!(builder_pause(now + ms(50), ahead, Some(now), None), None);
     }
 
     #[test]

@@ -63,6 +63,76 @@ impl Dist {
     }
 }
 
+/// The longest gap [`Buckets`] tells apart from longer ones: an hour, in µs.
+const MAX_TRACKED_US: u64 = 3_600_000_000;
+
+/// A pooled distribution kept as HDR buckets (3 significant digits, µs), so that it can be read
+/// later at any value, not only at the percentiles a summary names: where the percentiles sit on a
+/// cliff of the distribution, "what share of the samples lie below this value" is the comparison
+/// that holds.
+#[derive(Debug, Clone, Default, PartialEq, Serialize, Deserialize)]
+pub struct Buckets {
+    /// `[lowest value of the bucket in µs, samples]`, ascending (a bucket spans at most 0.1% of its
+    /// values).
+    pub us_counts: Vec<[u64; 2]>,
+}
+
+impl Buckets {
+    /// The buckets of `values` (milliseconds).
+    pub fn of(values: impl IntoIterator<Item = f64>) -> Self {
+        // Bounded up front: a histogram made with `new` only tracks up to 2,047 µs without
+        // resizing, and a saturating record would clamp every longer gap to that.
+        let mut h = hdrhistogram::Histogram::<u64>::new_with_bounds(1, MAX_TRACKED_US, 3)
+            .expect("a histogram");
+        for v in values {
+            h.saturating_record((v.max(0.0) * 1e3).round() as u64);
+        }
+        Self {
+            us_counts: h
+                .iter_recorded()
+                .map(|v| {
+                    [
+                        h.lowest_equivalent(v.value_iterated_to()),
+                        v.count_at_value(),
+                    ]
+                })
+                .collect(),
+        }
+    }
+
+    /// Samples in all.
+    pub fn count(&self) -> u64 {
+        self.us_counts.iter().map(|b| b[1]).sum()
+    }
+
+    /// The share of samples at or below `ms` (0–1; None without samples), counting a bucket whole
+    /// when `ms` reaches its lowest value.
+    pub fn share_at_or_below(&self, ms: f64) -> Option<f64> {
+        let total = self.count();
+        if total == 0 {
+            return None;
+        }
+        let us = ms * 1e3;
+        let below: u64 = self
+            .us_counts
+            .iter()
+            .take_while(|b| b[0] as f64 <= us)
+            .map(|b| b[1])
+            .sum();
+        Some(below as f64 / total as f64)
+    }
+}
+
+/// The pooled inter-token gaps of the measured, completed requests, as [`Buckets`].
+pub fn itl_buckets(results: &[RequestResult]) -> Buckets {
+    Buckets::of(
+        results
+            .iter()
+            .filter(|r| !r.warmup && r.timing.ok())
+            .flat_map(|r| r.timing.itl.iter().map(|d| ms(*d))),
+    )
+}
+
 /// Latency objectives; a request is good when it completed and met every one set.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct Slo {

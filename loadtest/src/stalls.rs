@@ -80,7 +80,8 @@ impl Stalls {
 #[derive(Debug)]
 pub struct StallMeter {
     stop: Arc<AtomicBool>,
-    probe: JoinHandle<Histogram<u64>>,
+    /// Taken by [`StallMeter::finish`]; a meter dropped without it stops its probe all the same.
+    probe: Option<JoinHandle<Histogram<u64>>>,
     started: Instant,
     cpus: Option<Vec<usize>>,
     steal_before: Option<u64>,
@@ -102,7 +103,7 @@ impl StallMeter {
         let steal_before = read_steal(cpus.as_deref());
         Ok(Self {
             stop,
-            probe,
+            probe: Some(probe),
             started: Instant::now(),
             cpus,
             steal_before,
@@ -110,14 +111,15 @@ impl StallMeter {
     }
 
     /// Stops the probe and summarizes it.
-    pub fn finish(self) -> Stalls {
+    pub fn finish(mut self) -> Stalls {
         self.stop.store(true, Ordering::Relaxed);
         let wall = self.started.elapsed().as_secs_f64();
         let steal_after = read_steal(self.cpus.as_deref());
         let h = self
             .probe
-            .join()
-            .unwrap_or_else(|_| Histogram::new(3).expect("a histogram"));
+            .take()
+            .and_then(|p| p.join().ok())
+            .unwrap_or_else(histogram);
         let steal_s = self
             .steal_before
             .zip(steal_after)
@@ -127,9 +129,21 @@ impl StallMeter {
     }
 }
 
+impl Drop for StallMeter {
+    fn drop(&mut self) {
+        self.stop.store(true, Ordering::Relaxed);
+    }
+}
+
+/// An empty histogram of stalls in µs, up to a minute (`Histogram::new` alone tracks only up to
+/// 2,047 µs before it resizes, and a saturating record would clamp longer stalls to that).
+fn histogram() -> Histogram<u64> {
+    Histogram::new_with_bounds(1, 60_000_000, 3).expect("a histogram")
+}
+
 /// Sleeps [`INTERVAL`] until stopped (at least once), recording each overshoot in µs.
 fn probe(stop: &AtomicBool) -> Histogram<u64> {
-    let mut h = Histogram::<u64>::new(3).expect("a histogram");
+    let mut h = histogram();
     loop {
         let t = Instant::now();
         std::thread::sleep(INTERVAL);
@@ -263,14 +277,14 @@ mod tests {
 
     #[test]
     fn stalls_over_a_millisecond_are_counted_and_summed() {
-        let mut h = Histogram::<u64>::new(3).unwrap();
+        let mut h = histogram();
         for _ in 0..990 {
             h.record(60).unwrap();
         }
         for _ in 0..9 {
             h.record(2_000).unwrap();
         }
-        h.record(8_000).unwrap();
+        h.saturating_record(8_000);
         let s = summarize(&h, Some(0.5), 100.0, Some(&[0]));
         assert_eq!(s.samples, 1000);
         assert_eq!(s.over_1ms, 10);
