@@ -182,6 +182,8 @@ const BUILDER_QUIET_BEFORE: Duration = Duration::from_millis(20);
 /// ... until this long after it: even in the idle scheduling class, a slice the builder is given
 /// while the sends of a burst wait to go out delays them by milliseconds.
 const BUILDER_QUIET_AFTER: Duration = Duration::from_millis(3);
+/// How long after the last send's time the dispatcher thread stays (asleep) before it exits.
+const DISPATCHER_LINGER: Duration = Duration::from_millis(20);
 /// The builder only keeps off while at least this many bodies are ready.
 const BUILDER_MIN_AHEAD: usize = 32;
 /// How long before its time a request is handed to the runtime (waking a parked worker can take
@@ -359,7 +361,9 @@ async fn open_loop(
             .spawn(move || {
                 // Refused without privileges; the send lateness in the summary shows the cost.
                 headroom_workload::realtime::raise_current_thread();
+                let mut last_due = None;
                 while let Ok((index, at, body)) = ready_rx.recv() {
+                    last_due = Some(shared.start + at);
                     // Released a little early: waking a parked runtime worker can take longer than
                     // the tolerance, so the task itself waits out the last stretch (send_one).
                     let when = (shared.start + at)
@@ -373,6 +377,14 @@ async fn open_loop(
                     released.store(index + 1, Ordering::Release);
                     if tx.send(task).is_err() {
                         break;
+                    }
+                }
+                // This thread's exit (at real-time priority) and the collector it wakes must not
+                // take the core while the last burst's sends wait to go out.
+                if let Some(end) = last_due.map(|d| d + DISPATCHER_LINGER) {
+                    let now = Instant::now();
+                    if end > now {
+                        std::thread::sleep(end - now);
                     }
                 }
             })
