@@ -185,7 +185,7 @@ fn request_body(
     complete_at: Option<Instant>,
     completed: &Arc<OnceLock<Instant>>,
 ) -> reqwest::Body {
-    let Some(at) = complete_at.filter(|_| !body.is_empty()) else {
+    let Some(at) = complete_at else {
         return reqwest::Body::from(body);
     };
     let head = body.slice(..body.len() - 1);
@@ -208,6 +208,14 @@ async fn send_timed(
     headers: &[(&str, &str)],
     complete_at: Option<Instant>,
 ) -> (Timing, Instant) {
+    // An empty body has no last byte to hold back: it waits for its time and goes whole.
+    let complete_at = match complete_at {
+        Some(at) if body.is_empty() => {
+            wait_until(at).await;
+            None
+        }
+        other => other,
+    };
     let attempt = Instant::now();
     let completed = Arc::new(OnceLock::new());
     let t = exchange(client, url, body, headers, complete_at, attempt, &completed).await;

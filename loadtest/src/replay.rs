@@ -216,9 +216,8 @@ async fn send_one(
     body: bytes::Bytes,
 ) -> RequestResult {
     let when = scheduled.map(|at| shared.start + at);
-    // An empty body has no last byte to hold back: it is sent whole, on time.
-    let prestage = shared.opts.prestage && when.is_some() && !body.is_empty();
-    if let Some(when) = when.filter(|_| !prestage) {
+    let prestage_at = when.filter(|_| shared.opts.prestage);
+    if let (Some(when), None) = (when, prestage_at) {
         wait_until(when).await;
     }
     let record = &shared.records[index];
@@ -229,7 +228,7 @@ async fn send_one(
     shared.counters.sent.fetch_add(1, Ordering::Relaxed);
     let headers = request_headers(&shared.opts, &request_id);
     let exchange = async {
-        match when.filter(|_| prestage) {
+        match prestage_at {
             Some(at) => send_streaming_at(&shared.client, url, body, &headers, at).await,
             None => (
                 send_streaming_with(&shared.client, url, body, &headers).await,
@@ -369,10 +368,7 @@ async fn open_loop(
                     let when = (shared.start + at)
                         .checked_sub(EARLY_RELEASE)
                         .unwrap_or(shared.start);
-                    let now = Instant::now();
-                    if when > now {
-                        std::thread::sleep(when - now);
-                    }
+                    sleep_until(when);
                     let task = runtime.spawn(send_one(shared.clone(), index, Some(at), body));
                     released.store(index + 1, Ordering::Release);
                     if tx.send(task).is_err() {
@@ -381,11 +377,8 @@ async fn open_loop(
                 }
                 // This thread's exit (at real-time priority) and the collector it wakes must not
                 // take the core while the last burst's sends wait to go out.
-                if let Some(end) = last_due.map(|d| d + DISPATCHER_LINGER) {
-                    let now = Instant::now();
-                    if end > now {
-                        std::thread::sleep(end - now);
-                    }
+                if let Some(due) = last_due {
+                    sleep_until(due + DISPATCHER_LINGER);
                 }
             })
             .expect("spawning the replay dispatcher")
@@ -403,6 +396,14 @@ async fn open_loop(
         }
     }
     out
+}
+
+/// Sleeps the current thread until `t` (not at all when it has passed).
+fn sleep_until(t: Instant) {
+    let now = Instant::now();
+    if t > now {
+        std::thread::sleep(t - now);
+    }
 }
 
 /// Holds the body builder, about to build body `index`, while [`builder_pause`] says so.
