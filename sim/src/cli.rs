@@ -30,6 +30,9 @@ pub enum LatencyModel {
     Constant,
     /// Prefill proportional to new tokens; fixed decode step.
     PerToken,
+    /// No shared steps: every request's first token a fixed time after its admission, then one
+    /// every fixed interval (a reference backend for measuring what stands in front of it).
+    Fixed,
 }
 
 /// Flags of `headroom sim`.
@@ -95,10 +98,10 @@ pub struct SimArgs {
     /// Step-time model.
     #[arg(long, value_enum, default_value_t = LatencyModel::Roofline, alias = "latency-calculator")]
     pub latency_model: LatencyModel,
-    /// constant: duration of a step with prefill, ms.
+    /// constant: duration of a step with prefill, ms; fixed: admission to first token, ms.
     #[arg(long, default_value_t = 100.0)]
     pub time_to_first_token: f64,
-    /// constant / per-token: duration of a decode step, ms.
+    /// constant / per-token: duration of a decode step, ms; fixed: between two tokens, ms.
     #[arg(long, default_value_t = 20.0)]
     pub inter_token_latency: f64,
     /// per-token: fixed cost of a step with prefill, ms.
@@ -107,10 +110,10 @@ pub struct SimArgs {
     /// per-token: cost per new prefill token, ms.
     #[arg(long, default_value_t = 0.25)]
     pub prefill_time_per_token: f64,
-    /// constant / per-token: jitter, standard deviation as a fraction of the mean (≤ 0.3).
+    /// constant / per-token / fixed: jitter, standard deviation as a fraction of the mean (≤ 0.3).
     #[arg(long, default_value_t = 0.0)]
     pub latency_jitter: f64,
-    /// constant / per-token: llm-d's time factor under load (1 = none).
+    /// constant / per-token / fixed: llm-d's time factor under load (1 = none).
     #[arg(long, default_value_t = 1.0)]
     pub time_factor_under_load: f64,
     /// roofline: memory-bandwidth efficiency η_m.
@@ -390,6 +393,11 @@ impl SimArgs {
                 StepTimer::Roofline(r)
             }
             LatencyModel::Constant => StepTimer::Constant {
+                ttft: ms(self.time_to_first_token, "time-to-first-token")?,
+                itl: ms(self.inter_token_latency, "inter-token-latency")?,
+                variation,
+            },
+            LatencyModel::Fixed => StepTimer::Fixed {
                 ttft: ms(self.time_to_first_token, "time-to-first-token")?,
                 itl: ms(self.inter_token_latency, "inter-token-latency")?,
                 variation,

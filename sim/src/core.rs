@@ -15,8 +15,13 @@
 //! 4. At the step's end: `num_computed += n`; a request whose tokens are all computed samples one
 //!    token; it finishes on EOS (after `min_tokens`, unless `ignore_eos`), `max_tokens` or
 //!    `max_model_len`, and its blocks return to the pool, last block first.
+//!
+//! With a per-request timer (`StepTimer::Fixed`) there are no steps: [`Core::admit_per_request`]
+//! admits waiting requests as step 3 does (whole prompt, no token budget), each due its first token
+//! one TTFT after admission, and [`Core::emit_due`] produces the tokens that are due, each request
+//! then due again one ITL later; a request whose next slot cannot be allocated is preempted itself.
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::{BTreeSet, HashMap, VecDeque};
 use std::time::Duration;
 
 use headroom_workload::tokenizer::piece_id;
@@ -135,6 +140,10 @@ struct Seq {
     first_scheduled: Option<Duration>,
     first_token: Option<Duration>,
     last_token: Option<Duration>,
+    /// Per-request timing: when its next token is due.
+    due: Option<Duration>,
+    /// Per-request timing: it waited for a slot, so its TTFT counts from admission, not arrival.
+    held: bool,
 }
 
 impl Seq {
@@ -168,6 +177,8 @@ pub struct Core {
     seqs: HashMap<u64, Seq>,
     waiting: VecDeque<u64>,
     running: Vec<u64>,
+    /// Per-request timing: (due, key) of every running request.
+    dues: BTreeSet<(Duration, u64)>,
     word_ids: Vec<u32>,
     metrics: Metrics,
 }
@@ -183,6 +194,7 @@ impl Core {
             seqs: HashMap::new(),
             waiting: VecDeque::new(),
             running: Vec::new(),
+            dues: BTreeSet::new(),
             word_ids: (0..WORDS.len() as u64)
                 .map(|i| piece_id(spaced_word(i)))
                 .collect(),
@@ -199,6 +211,11 @@ impl Core {
     /// The replica's metrics.
     pub fn metrics(&self) -> &Metrics {
         &self.metrics
+    }
+
+    /// Whether requests run on their own clocks (no shared steps).
+    pub fn is_per_request(&self) -> bool {
+        self.timer.is_per_request()
     }
 
     /// Requests waiting (not yet running, or preempted).
@@ -267,6 +284,8 @@ impl Core {
             first_scheduled: None,
             first_token: None,
             last_token: None,
+            due: None,
+            held: false,
         };
         self.seqs.insert(req.key, seq);
         self.waiting.push_back(req.key);
@@ -330,34 +349,9 @@ impl Core {
                 let Some(&key) = self.waiting.front() else {
                     break;
                 };
-                let seq = &self.seqs[&key];
-                let hit_blocks = if self.cfg.enable_prefix_caching {
-                    let usable = ((seq.num_tokens() - 1) / self.cfg.block_size) as usize;
-                    let mut hit = self
-                        .pool
-                        .lookup_prefix(&seq.hashes[..usable.min(seq.hashes.len())]);
-                    hit.truncate(usable);
-                    hit
-                } else {
-                    Vec::new()
-                };
-                let hit_tokens = hit_blocks.len() as u32 * self.cfg.block_size;
-                let n = (seq.num_tokens() - hit_tokens).min(budget);
-                if !self.allocate_slots(key, n, &hit_blocks) {
+                let Some(n) = self.admit(key, budget) else {
                     break;
-                }
-                self.waiting.pop_front();
-                let seq = self.seqs.get_mut(&key).expect("waiting request is known");
-                seq.num_computed = hit_tokens;
-                if seq.cached_tokens.is_none() {
-                    seq.cached_tokens = Some(hit_tokens);
-                    if self.cfg.enable_prefix_caching {
-                        let queried = u64::from(seq.num_tokens());
-                        self.metrics.prefix_queries.inc_by(queried);
-                        self.metrics.prefix_hits.inc_by(u64::from(hit_tokens));
-                    }
-                }
-                self.running.push(key);
+                };
                 self.add_to_shape(&mut shape, key, n);
                 scheduled.push((key, n));
                 budget -= n;
@@ -377,6 +371,119 @@ impl Core {
             shape,
             scheduled,
         })
+    }
+
+    /// Moves the head of the waiting queue (`key`) to running if the first `budget` tokens of what
+    /// its prefix-cache hit leaves to compute can be allocated; returns that count.
+    fn admit(&mut self, key: u64, budget: u32) -> Option<u32> {
+        let seq = &self.seqs[&key];
+        let hit_blocks = if self.cfg.enable_prefix_caching {
+            let usable = ((seq.num_tokens() - 1) / self.cfg.block_size) as usize;
+            let mut hit = self
+                .pool
+                .lookup_prefix(&seq.hashes[..usable.min(seq.hashes.len())]);
+            hit.truncate(usable);
+            hit
+        } else {
+            Vec::new()
+        };
+        let hit_tokens = hit_blocks.len() as u32 * self.cfg.block_size;
+        let n = (seq.num_tokens() - hit_tokens).min(budget);
+        if !self.allocate_slots(key, n, &hit_blocks) {
+            return None;
+        }
+        self.waiting.pop_front();
+        let seq = self.seqs.get_mut(&key).expect("waiting request is known");
+        seq.num_computed = hit_tokens;
+        if seq.cached_tokens.is_none() {
+            seq.cached_tokens = Some(hit_tokens);
+            if self.cfg.enable_prefix_caching {
+                let queried = u64::from(seq.num_tokens());
+                self.metrics.prefix_queries.inc_by(queried);
+                self.metrics.prefix_hits.inc_by(u64::from(hit_tokens));
+            }
+        }
+        self.running.push(key);
+        Some(n)
+    }
+
+    /// Per-request timing: admits waiting requests in order while they fit (KV blocks for the
+    /// whole prompt, fewer than `max_num_seqs` running), each due its first token one TTFT after
+    /// its arrival, or after `now` if it had to wait.
+    pub fn admit_per_request(&mut self, now: Duration) {
+        while self.running.len() < self.cfg.max_num_seqs as usize {
+            let Some(&key) = self.waiting.front() else {
+                break;
+            };
+            if self.admit(key, u32::MAX).is_none() {
+                break;
+            }
+            let running = self.running.len() as u64;
+            let delay = self
+                .timer
+                .per_request_interval(true, running, &mut self.rng);
+            let seq = self.seqs.get_mut(&key).expect("admitted request is known");
+            let start = if seq.held { now } else { seq.arrival };
+            seq.first_scheduled = Some(start);
+            self.metrics
+                .queue
+                .observe(start.saturating_sub(seq.arrival).as_secs_f64());
+            seq.due = Some(start + delay);
+            self.dues.insert((start + delay, key));
+        }
+        for key in &self.waiting {
+            if let Some(seq) = self.seqs.get_mut(key) {
+                seq.held = true;
+            }
+        }
+        self.update_gauges();
+    }
+
+    /// Per-request timing: the earliest instant a running request's next token is due.
+    pub fn next_due(&self) -> Option<Duration> {
+        self.dues.first().map(|&(due, _)| due)
+    }
+
+    /// Per-request timing: produces every token due at or before `at` (each stamped with its own
+    /// due instant), appending them to `out`; each request is then due again one ITL later.
+    pub fn emit_due(&mut self, at: Duration, out: &mut Vec<Output>) {
+        while let Some(&(due, key)) = self.dues.first().filter(|(due, _)| *due <= at) {
+            self.dues.pop_first();
+            let seq = self.seqs.get_mut(&key).expect("a due request is known");
+            seq.due = None;
+            let n = seq.num_tokens() - seq.num_computed;
+            // Allocates nothing for a first token (admission did) and one slot for a later one.
+            if !self.allocate_slots(key, n, &[]) {
+                self.running.retain(|&k| k != key);
+                self.preempt(key);
+                continue;
+            }
+            let mut shape = StepShape::default();
+            self.add_to_shape(&mut shape, key, n);
+            let step = Step {
+                duration: Duration::ZERO,
+                shape,
+                scheduled: vec![(key, n)],
+            };
+            let emitted = out.len();
+            self.complete(step, due, out);
+            let finished = out[emitted..].iter().any(|o| o.finish.is_some());
+            if !finished {
+                let running = self.running.len() as u64;
+                let next = due
+                    + self
+                        .timer
+                        .per_request_interval(false, running, &mut self.rng);
+                if let Some(seq) = self.seqs.get_mut(&key) {
+                    seq.due = Some(next);
+                    self.dues.insert((next, key));
+                }
+            }
+        }
+        // Preempted requests wait for blocks to come free; admit them now if they fit.
+        if !self.waiting.is_empty() {
+            self.admit_per_request(at);
+        }
     }
 
     /// Applies a step that ended at `now`, appending the tokens it produced to `out`.
@@ -480,6 +587,9 @@ impl Core {
         token_id: u32,
     ) -> Output {
         let seq = self.seqs.remove(&key).expect("finishing a known request");
+        if let Some(due) = seq.due {
+            self.dues.remove(&(due, key));
+        }
         self.pool.release(seq.blocks.iter().rev().copied());
         let m = &self.metrics;
         m.count_finished(reason.as_str());
@@ -516,6 +626,10 @@ impl Core {
         self.pool.release(seq.blocks.drain(..).rev());
         seq.num_computed = 0;
         seq.num_cached_blocks = 0;
+        seq.held = true;
+        if let Some(due) = seq.due.take() {
+            self.dues.remove(&(due, key));
+        }
         self.waiting.push_front(key);
         self.metrics.preemptions.inc();
     }
@@ -582,14 +696,19 @@ mod tests {
     use super::*;
     use crate::metrics::CacheInfo;
     use crate::profile::Deployment;
-    use crate::timing::Roofline;
+    use crate::timing::{Roofline, Variation};
 
     fn core(blocks: u64, max_model_len: u32) -> Core {
+        let timer = StepTimer::Roofline(Roofline::new(Deployment::preset("8b", "h100").unwrap()));
+        core_with(blocks, max_model_len, 1024, timer)
+    }
+
+    fn core_with(blocks: u64, max_model_len: u32, max_num_seqs: u32, timer: StepTimer) -> Core {
         let cfg = CoreConfig {
             block_size: 16,
             num_gpu_blocks: blocks,
             max_num_batched_tokens: 8192,
-            max_num_seqs: 1024,
+            max_num_seqs,
             max_model_len,
             enable_prefix_caching: true,
             hash_seed: 0,
@@ -602,7 +721,6 @@ mod tests {
             cache_dtype: "auto".into(),
             enable_prefix_caching: true,
         };
-        let timer = StepTimer::Roofline(Roofline::new(Deployment::preset("8b", "h100").unwrap()));
         Core::new(
             cfg,
             timer,
@@ -648,6 +766,53 @@ mod tests {
                     Some((t, _)) => now = *t,
                     None => break,
                 },
+            }
+        }
+        assert!(core.is_idle());
+        let mut by_key: HashMap<u64, Vec<Output>> = HashMap::new();
+        for o in outs {
+            by_key.entry(o.key).or_default().push(o);
+        }
+        by_key
+    }
+
+    /// A fixed per-request timer: 20 ms to the first token, then 10 ms apart.
+    fn fixed_core(blocks: u64, max_num_seqs: u32) -> Core {
+        let timer = StepTimer::Fixed {
+            ttft: Duration::from_millis(20),
+            itl: Duration::from_millis(10),
+            variation: Variation {
+                std_dev_fraction: 0.0,
+                load_factor: 1.0,
+                max_num_seqs: u64::from(max_num_seqs),
+            },
+        };
+        core_with(blocks, 4096, max_num_seqs, timer)
+    }
+
+    /// [`run`] for a per-request timer: time jumps to the next arrival or due token.
+    fn run_per_request(
+        core: &mut Core,
+        mut arrivals: Vec<(Duration, NewRequest)>,
+    ) -> HashMap<u64, Vec<Output>> {
+        arrivals.sort_by_key(|(t, _)| *t);
+        let mut arrivals: VecDeque<_> = arrivals.into();
+        let mut now = Duration::ZERO;
+        let mut outs = Vec::new();
+        loop {
+            while arrivals.front().is_some_and(|(t, _)| *t <= now) {
+                let (t, r) = arrivals.pop_front().unwrap();
+                core.submit(r, t);
+            }
+            core.admit_per_request(now);
+            let next_arrival = arrivals.front().map(|(t, _)| *t);
+            match (core.next_due(), next_arrival) {
+                (None, None) => break,
+                (Some(due), arrival) if arrival.is_none_or(|a| due < a) => {
+                    now = due;
+                    core.emit_due(now, &mut outs);
+                }
+                (_, arrival) => now = arrival.expect("an arrival comes first"),
             }
         }
         assert!(core.is_idle());
@@ -832,6 +997,95 @@ mod tests {
             "differs at the perturbed token itself"
         );
         assert_eq!(text(3).len(), 12, "the length is unchanged");
+    }
+
+    #[test]
+    fn per_request_timing_gives_every_request_its_own_clock() {
+        let mut c = fixed_core(1000, 64);
+        let arrivals = [0.0, 3.0, 7.5, 31.25];
+        let out = run_per_request(
+            &mut c,
+            arrivals
+                .iter()
+                .enumerate()
+                .map(|(i, &t)| {
+                    let key = i as u64 + 1;
+                    (
+                        Duration::from_secs_f64(t / 1e3),
+                        request(key, tokens(key as u32, 40 + 30 * key as usize), 4),
+                    )
+                })
+                .collect(),
+        );
+        for (i, &t) in arrivals.iter().enumerate() {
+            let o = &out[&(i as u64 + 1)];
+            let at: Vec<f64> = o.iter().map(|o| ms(o.at)).collect();
+            let want = [t + 20.0, t + 30.0, t + 40.0, t + 50.0];
+            assert!(
+                at.iter().zip(want).all(|(a, w)| (a - w).abs() < 1e-6),
+                "request {}: tokens at {at:?}, want {want:?}",
+                i + 1
+            );
+            assert_eq!(o[3].finish, Some(FinishReason::Length));
+        }
+        assert_eq!(c.metrics().generation_tokens.get(), 16);
+        assert_eq!(c.kv_usage(), 0.0);
+    }
+
+    #[test]
+    fn per_request_timing_holds_what_does_not_fit_and_times_it_from_admission() {
+        let mut c = fixed_core(1000, 1);
+        let out = run_per_request(
+            &mut c,
+            vec![
+                (Duration::ZERO, request(1, tokens(1, 50), 2)),
+                (Duration::from_millis(5), request(2, tokens(2, 50), 2)),
+            ],
+        );
+        // Request 1 ends at 30 ms; request 2 is admitted then, its first token 20 ms later.
+        assert_eq!(ms(out[&1][1].at), 30.0);
+        assert_eq!(ms(out[&2][0].at), 50.0);
+        assert_eq!(ms(out[&2][1].at), 60.0);
+    }
+
+    #[test]
+    fn per_request_timing_counts_prefix_hits_and_survives_preemption() {
+        let mut c = fixed_core(1000, 64);
+        let prompt = tokens(9, 200);
+        let out = run_per_request(
+            &mut c,
+            vec![
+                (Duration::ZERO, request(1, prompt.clone(), 2)),
+                (Duration::from_millis(100), request(2, prompt, 2)),
+            ],
+        );
+        assert_eq!(out[&1][0].cached_tokens, 0);
+        assert_eq!(out[&2][0].cached_tokens, 192);
+
+        // Room for the prompts (4 blocks each) but not for both to grow past them.
+        let mut c = fixed_core(10, 64);
+        let out = run_per_request(
+            &mut c,
+            (1..=2)
+                .map(|k| (Duration::ZERO, request(k, tokens(k as u32, 64), 40)))
+                .collect(),
+        );
+        assert!(c.metrics().preemptions.get() > 0);
+        for k in 1..=2 {
+            assert_eq!(out[&k].last().unwrap().completion_tokens, 40, "request {k}");
+        }
+    }
+
+    #[test]
+    fn per_request_abort_leaves_nothing_due() {
+        let mut c = fixed_core(1000, 64);
+        c.submit(request(1, tokens(1, 100), 50), Duration::ZERO);
+        c.admit_per_request(Duration::ZERO);
+        assert_eq!(c.next_due(), Some(Duration::from_millis(20)));
+        c.abort(1, Duration::from_millis(5));
+        assert_eq!(c.next_due(), None);
+        assert!(c.is_idle());
+        assert_eq!(c.kv_usage(), 0.0);
     }
 
     #[test]

@@ -20,6 +20,13 @@
 //! `prefill-overhead + new prefill tokens · prefill-time-per-token`, plus `inter-token-latency` when
 //! it also decodes. Both: optional Gaussian jitter (standard deviation as a fraction of the mean,
 //! clamped to ±70%), and llm-d's load factor `1 + (f−1)(running−1)/(max_num_seqs−1)`.
+//!
+//! **Fixed** (per request, no shared steps): each request runs on its own clock, first token
+//! `time-to-first-token` after it was admitted (its arrival, unless it had to wait for KV blocks or
+//! a `max_num_seqs` slot), then one every `inter-token-latency`; jitter and the load factor apply to
+//! each interval. No request's timing depends on another's, so a delay in front of the replica
+//! shows up in full and alone: a reference backend for measuring what stands in front of it (a
+//! proxy's hop), not a model of a GPU.
 
 use std::time::Duration;
 
@@ -183,14 +190,49 @@ pub enum StepTimer {
         /// Jitter and load scaling.
         variation: Variation,
     },
+    /// Every request on its own clock (no steps): first token `ttft` after admission, then one
+    /// every `itl`.
+    Fixed {
+        /// Admission to first token.
+        ttft: Duration,
+        /// Between two tokens of one request.
+        itl: Duration,
+        /// Jitter and load scaling, per interval.
+        variation: Variation,
+    },
 }
 
 impl StepTimer {
+    /// Whether requests run on their own clocks ([`Self::Fixed`]) rather than in shared steps.
+    pub fn is_per_request(&self) -> bool {
+        matches!(self, Self::Fixed { .. })
+    }
+
+    /// Fixed mode: the wait before a request's next token (`first`: its first), with `running`
+    /// requests in the engine.
+    pub fn per_request_interval(&self, first: bool, running: u64, rng: &mut StdRng) -> Duration {
+        match self {
+            Self::Fixed {
+                ttft,
+                itl,
+                variation,
+            } => variation.apply(if first { *ttft } else { *itl }, running, rng),
+            // The step models have no per-request clock; a step of their decode time stands in.
+            _ => self.step_time(&StepShape::default(), rng),
+        }
+    }
+
     /// Duration of a step of shape `s`.
     pub fn step_time(&self, s: &StepShape, rng: &mut StdRng) -> Duration {
         match self {
             Self::Roofline(r) => r.step_time(s),
+            // Fixed mode never forms steps; a step shaped like one of its emissions costs the same.
             Self::Constant {
+                ttft,
+                itl,
+                variation,
+            }
+            | Self::Fixed {
                 ttft,
                 itl,
                 variation,

@@ -704,3 +704,66 @@ async fn client_disconnect_aborts_the_request_in_the_engine() {
     assert_eq!(aborted, 1.0);
     assert_eq!(metric(&r, "vllm:num_requests_running").await, 0.0);
 }
+
+#[tokio::test]
+async fn fixed_model_times_every_request_on_its_own_clock() {
+    let r = replica(&[
+        "--latency-model",
+        "fixed",
+        "--time-to-first-token",
+        "30",
+        "--inter-token-latency",
+        "5",
+    ])
+    .await;
+    let mut tasks = Vec::new();
+    for i in 0..4u32 {
+        let url = format!("{}/v1/completions", r.url());
+        tasks.push(tokio::spawn(async move {
+            // Staggered arrivals: a step-based engine would round them onto shared steps.
+            tokio::time::sleep(Duration::from_millis(u64::from(i) * 7)).await;
+            let body = json!({"prompt": [1000 + i, 2, 3], "max_tokens": 20, "ignore_eos": true,
+                              "stream": true});
+            let started = std::time::Instant::now();
+            let ev = events(client().post(url).json(&body).send().await.unwrap()).await;
+            (ev, started.elapsed())
+        }));
+    }
+    for t in tasks {
+        let (ev, took) = t.await.unwrap();
+        assert_eq!(ev.len(), 21, "20 token chunks and [DONE]");
+        assert!(took >= Duration::from_millis(30 + 19 * 5), "took {took:?}");
+    }
+    // The engine stamps each token with its own due instant: TTFT and ITL are exact.
+    let ttft = metric(&r, "vllm:time_to_first_token_seconds_sum").await
+        / metric(&r, "vllm:time_to_first_token_seconds_count").await;
+    let itl = metric(&r, "vllm:inter_token_latency_seconds_sum").await
+        / metric(&r, "vllm:inter_token_latency_seconds_count").await;
+    assert!((ttft - 0.030).abs() < 1e-6, "mean TTFT {ttft}");
+    assert!((itl - 0.005).abs() < 1e-6, "mean ITL {itl}");
+    assert_eq!(metric(&r, "vllm:generation_tokens_total").await, 80.0);
+
+    // A client that goes away is aborted at its next due token.
+    let mut resp = post(
+        &r,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 1000, "stream": true, "ignore_eos": true}),
+    )
+    .await;
+    resp.chunk().await.unwrap();
+    drop(resp);
+    let mut aborted = 0.0;
+    for _ in 0..400 {
+        aborted = metric(
+            &r,
+            "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\"",
+        )
+        .await;
+        if aborted > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(aborted, 1.0);
+    assert_eq!(metric(&r, "vllm:num_requests_running").await, 0.0);
+}
