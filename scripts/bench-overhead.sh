@@ -7,6 +7,10 @@
 # relayed chunk (from /proc, all of its processes and threads). Loopback only; bounded by DURATION.
 #
 #   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2 CAPTURE=1
+#   MODEL=constant scripts/bench-overhead.sh     # the replica's timing model (default fixed: every
+#                                                # request's first token TTFT_MS after its arrival,
+#                                                # then one per ITL_MS, no shared steps, so what a
+#                                                # hop adds is not rounded to an engine step)
 #   PIN=1 scripts/bench-overhead.sh              # each proxy on a core of its own (bench-common.sh)
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
 #                                                # builds: the replica and the load stay this one's).
@@ -29,6 +33,8 @@ DURATION=${DURATION:-30}
 ROUNDS=${ROUNDS:-2}
 ITL_MS=${ITL_MS:-10}
 TTFT_MS=${TTFT_MS:-20}
+MODEL=${MODEL:-fixed}
+case $MODEL in fixed | constant) ;; *) echo "MODEL must be fixed or constant, got $MODEL" >&2; exit 2 ;; esac
 OUT=${OUT:-results/bench-overhead}
 mkdir -p "$OUT"
 
@@ -58,7 +64,7 @@ PY
 
 source scripts/bench-common.sh
 
-"${load_on[@]}" $bin sim --port 0 --latency-model constant --time-to-first-token "$TTFT_MS" \
+"${load_on[@]}" $bin sim --port 0 --latency-model "$MODEL" --time-to-first-token "$TTFT_MS" \
   --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
   >"$OUT/sim.url" 2>"$OUT/sim.log" &
 pids+=($!)
@@ -140,7 +146,7 @@ for round in $(seq "$ROUNDS"); do
     engine_before=$(engine_ttft)
     echo "== round $round: $config ($url)" >&2
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
-      --seed 7 --hardware "headroom sim, constant ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
+      --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
     after=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
     echo "$(( after - before ))" >"$dir/cpu_ticks"
@@ -150,8 +156,8 @@ done
 
 build=""
 [ "$SERVE_BIN" != "$bin" ] && build="; headroom build: $SERVE_BIN"
-python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement$build" <<'PY'
-import json, sys
+python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement$build" "$MODEL $TTFT_MS ms TTFT / $ITL_MS ms ITL" <<'PY'
+import json, statistics, sys
 out, rounds, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rate, tokens, duration = sys.argv[4], sys.argv[5], sys.argv[6]
 def load(config):
@@ -168,15 +174,19 @@ def load(config):
         s0, n0, s1, n1 = map(float, open(f"{out}/{config}-{r}/engine_ttft").read().split())
         engine_s, engine_n = engine_s + s1 - s0, engine_n + n1 - n0
         failed += s["failed"]
-    mean = lambda k, p: sum(s[k][p] for s in runs) / len(runs)
-    return {"ttft_p50": mean("ttft", "p50_ms"), "ttft_p99": mean("ttft", "p99_ms"),
-            "ttft_mean": mean("ttft", "mean_ms"), "engine_ttft_mean": 1e3 * engine_s / max(engine_n, 1),
-            "itl_p50": mean("itl", "p50_ms"), "itl_p99": mean("itl", "p99_ms"),
+    # The median over rounds: one round disturbed by something else on the machine (a daemon, the
+    # hypervisor) moves a mean of p99s by milliseconds and a median hardly at all.
+    median = lambda k, p: statistics.median(s[k][p] for s in runs)
+    return {"ttft_p50": median("ttft", "p50_ms"), "ttft_p99": median("ttft", "p99_ms"),
+            "ttft_mean": median("ttft", "mean_ms"), "engine_ttft_mean": 1e3 * engine_s / max(engine_n, 1),
+            "itl_p50": median("itl", "p50_ms"), "itl_p99": median("itl", "p99_ms"),
+            "rounds": [(s["ttft"]["p50_ms"], s["ttft"]["p99_ms"], s["itl"]["p99_ms"]) for s in runs],
             "chunks": chunks, "cpu_s": cpu / hz, "failed": failed}
 res = {c: load(c) for c in ("direct", "headroom", "nginx")}
 d = res["direct"]
 placement = sys.argv[7]
-lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved; {placement}", "",
+lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved; replica: {sys.argv[8]}; {placement}",
+         "percentiles: the median over rounds of each round's value", "",
          "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for c, r in res.items():
@@ -194,6 +204,9 @@ for c, r in res.items():
         continue
     at_client, at_engine = r["ttft_mean"] - d["ttft_mean"], r["engine_ttft_mean"] - d["engine_ttft_mean"]
     lines.append(f"| {c} | {r['ttft_mean']:.2f} | {r['engine_ttft_mean']:.2f} | {at_client:+.2f} | {at_engine:+.2f} | {at_client - at_engine:+.2f} |")
+lines += ["", "Each round, TTFT p50 / TTFT p99 / ITL p99 ms:", ""]
+for c, r in res.items():
+    lines.append(f"- {c}: " + "; ".join(f"{a:.2f} / {b:.2f} / {i:.2f}" for a, b, i in r["rounds"]))
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]
