@@ -424,10 +424,13 @@ impl Core {
                 .per_request_interval(true, running, &mut self.rng);
             let seq = self.seqs.get_mut(&key).expect("admitted request is known");
             let start = if seq.held { now } else { seq.arrival };
-            seq.first_scheduled = Some(start);
-            self.metrics
-                .queue
-                .observe(start.saturating_sub(seq.arrival).as_secs_f64());
+            // A preempted request keeps its first admission (vLLM counts its queue time once).
+            if seq.first_scheduled.is_none() {
+                seq.first_scheduled = Some(start);
+                self.metrics
+                    .queue
+                    .observe(start.saturating_sub(seq.arrival).as_secs_f64());
+            }
             seq.due = Some(start + delay);
             self.dues.insert((start + delay, key));
         }
@@ -444,11 +447,22 @@ impl Core {
         self.dues.first().map(|&(due, _)| due)
     }
 
-    /// Per-request timing: produces every token due at or before `at` (each stamped with its own
-    /// due instant), appending them to `out`; each request is then due again one ITL later.
-    pub fn emit_due(&mut self, at: Duration, out: &mut Vec<Output>) {
-        while let Some(&(due, key)) = self.dues.first().filter(|(due, _)| *due <= at) {
-            self.dues.pop_first();
+    /// Per-request timing: produces every token due at or before `now`, and every decode token
+    /// due at or before `now + early` (a first token never leaves early), each stamped with its
+    /// own due instant, appending them to `out`; each request is then due again one ITL later. A
+    /// request whose next slot cannot be allocated is preempted; [`Self::admit_per_request`]
+    /// takes it back when blocks come free.
+    pub fn emit_due(&mut self, now: Duration, early: Duration, out: &mut Vec<Output>) {
+        let decoding =
+            |seq: &Seq| seq.first_token.is_some() && seq.num_computed + 1 == seq.num_tokens();
+        let ready: Vec<(Duration, u64)> = self
+            .dues
+            .range(..=(now + early, u64::MAX))
+            .filter(|&&(due, key)| due <= now || self.seqs.get(&key).is_some_and(decoding))
+            .copied()
+            .collect();
+        for (due, key) in ready {
+            self.dues.remove(&(due, key));
             let seq = self.seqs.get_mut(&key).expect("a due request is known");
             seq.due = None;
             let n = seq.num_tokens() - seq.num_computed;
@@ -479,10 +493,6 @@ impl Core {
                     self.dues.insert((next, key));
                 }
             }
-        }
-        // Preempted requests wait for blocks to come free; admit them now if they fit.
-        if !self.waiting.is_empty() {
-            self.admit_per_request(at);
         }
     }
 
@@ -810,7 +820,7 @@ mod tests {
                 (None, None) => break,
                 (Some(due), arrival) if arrival.is_none_or(|a| due < a) => {
                     now = due;
-                    core.emit_due(now, &mut outs);
+                    core.emit_due(now, Duration::ZERO, &mut outs);
                 }
                 (_, arrival) => now = arrival.expect("an arrival comes first"),
             }
@@ -1074,6 +1084,27 @@ mod tests {
         for k in 1..=2 {
             assert_eq!(out[&k].last().unwrap().completion_tokens, 40, "request {k}");
         }
+        // Queue time once per request, however often it was preempted.
+        assert_eq!(c.metrics().queue.get_sample_count(), 2);
+    }
+
+    #[test]
+    fn per_request_early_window_sends_decodes_ahead_but_never_a_first_token() {
+        let mut c = fixed_core(1000, 64);
+        let us = Duration::from_micros;
+        c.submit(request(1, tokens(1, 50), 3), Duration::ZERO);
+        c.submit(request(2, tokens(2, 50), 3), us(9_900));
+        c.admit_per_request(us(9_900));
+        let mut out = Vec::new();
+        c.emit_due(us(20_000), Duration::ZERO, &mut out); // request 1's first token
+        assert_eq!(out.len(), 1);
+        // At 29.8 ms with a 250 µs window: request 2's first token (due 29.9 ms) waits, request 1's
+        // second (due 30 ms) goes early, stamped with its due time.
+        out.clear();
+        c.emit_due(us(29_800), us(250), &mut out);
+        assert_eq!(out.len(), 1);
+        assert_eq!((out[0].key, out[0].at), (1, us(30_000)));
+        assert_eq!(c.next_due(), Some(us(29_900)));
     }
 
     #[test]

@@ -9,11 +9,15 @@
 //! engine core picks up new requests between steps.
 //!
 //! With a per-request timer (`--latency-model fixed`) there are no steps: the thread sleeps until
-//! the next token any request is due (or until a request arrives), emits every token due within
-//! [`EMIT_WINDOW`] of then, each stamped with its own due instant (so the engine's metrics stay
-//! exact), and admits arrivals as soon as they come. The window bounds the wake-ups: one per token
-//! cost two context switches each (engine, then the HTTP worker), which at 20,000 tokens/s took
-//! two thirds of a core; a token leaves at most the window early.
+//! the next token any request is due (or until a request arrives), emits every token due by then
+//! and every decode token due within [`EMIT_WINDOW`] after it, each stamped with its own due
+//! instant, and admits arrivals (and requests that blocks freed by finished ones now fit) as soon
+//! as it is back at the top of its loop. The window bounds the wake-ups: one per token cost two
+//! context switches each (engine, then the HTTP worker), which at 20,000 tokens/s took two thirds
+//! of a core. A first token never leaves early, so TTFT is exact; a later one leaves at most the
+//! window early. A wake-up late by more than an ITL sends a request's missed tokens together
+//! (stamped with their due instants); `headroom_sim_step_lateness_seconds` records each wake-up's
+//! lateness.
 //!
 //! On a busy machine a sleeping thread can wake milliseconds late, so the engine thread asks for
 //! the lowest real-time priority (SCHED_FIFO 1) when it may (root or CAP_SYS_NICE); it sleeps for
@@ -35,7 +39,7 @@ use crate::metrics::Metrics;
 /// A batch of KV events from one step: (wall-clock seconds since the Unix epoch, events).
 pub type KvBatch = (f64, Vec<KvEvent>);
 
-/// Per-request timing: tokens due this soon after the earliest one leave with it.
+/// Per-request timing: decode tokens due this soon after a wake-up leave with it.
 const EMIT_WINDOW: Duration = Duration::from_micros(250);
 
 /// Past this much lateness the timeline restarts from now instead of catching up in a burst.
@@ -383,7 +387,7 @@ fn run_per_request(
         core.metrics()
             .step_lateness
             .observe(now.saturating_duration_since(due).as_secs_f64());
-        core.emit_due(since_epoch(now + EMIT_WINDOW), &mut outputs);
+        core.emit_due(since_epoch(now), EMIT_WINDOW, &mut outputs);
         deliver(&mut core, &mut senders, &mut outputs, since_epoch(now));
         publish(&mut core, kv_sink.as_ref());
     }

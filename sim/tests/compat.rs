@@ -743,7 +743,7 @@ async fn fixed_model_times_every_request_on_its_own_clock() {
     assert!((itl - 0.005).abs() < 1e-6, "mean ITL {itl}");
     assert_eq!(metric(&r, "vllm:generation_tokens_total").await, 80.0);
 
-    // A client that goes away is aborted at its next due token.
+    // A client that goes away is aborted (the cancellation wakes the engine).
     let mut resp = post(
         &r,
         "/v1/completions",
