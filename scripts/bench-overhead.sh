@@ -154,6 +154,16 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 
+# Where headroom's added time goes: each round's requests joined with its capture by x-request-id
+# (the client's TTFT against the proxy's own, arrival at the proxy to the first output event handed
+# to the client; the difference is the two legs between client and proxy).
+if [ -s "$OUT/capture.jsonl" ]; then
+  for round in $(seq "$ROUNDS"); do
+    $bin report agreement --result "$OUT/headroom-$round/result.json" --capture "$OUT/capture.jsonl" \
+      >"$OUT/headroom-$round/agreement.txt" 2>&1 || true
+  done
+fi
+
 build=""
 [ "$SERVE_BIN" != "$bin" ] && build="; headroom build: $SERVE_BIN"
 python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement$build" "$MODEL $TTFT_MS ms TTFT / $ITL_MS ms ITL" <<'PY'
@@ -207,6 +217,15 @@ for c, r in res.items():
 lines += ["", "Each round, TTFT p50 / TTFT p99 / ITL p99 ms:", ""]
 for c, r in res.items():
     lines.append(f"- {c}: " + "; ".join(f"{a:.2f} / {b:.2f} / {i:.2f}" for a, b, i in r["rounds"]))
+gaps = []
+for r in range(1, rounds + 1):
+    try:
+        gaps += [l.strip() for l in open(f"{out}/headroom-{r}/agreement.txt") if l.startswith("|client TTFT")]
+    except OSError:
+        pass
+if gaps:
+    lines += ["", "|client TTFT - headroom's own TTFT (from its capture)| per request, each round:", ""]
+    lines += [f"- round {i}: {g.split(': ', 1)[-1]}" for i, g in enumerate(gaps, 1)]
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]
