@@ -21,6 +21,9 @@ POLICIES=${POLICIES:-round_robin least_load prefix_affinity kv_events}
 MULTI_POLICIES=${MULTI_POLICIES-prefix_affinity kv_events}
 PROXY_COUNTS=${PROXY_COUNTS-2 4}
 SLO=${SLO:-ttft=2000,tpot=50}
+# How much of each prompt the proxies hash (routing.max_hashed_tokens): the whole of the trace's
+# longest prompts (120k tokens), so a long conversation's cached prefix is seen past the 32k default.
+MAX_HASHED=${MAX_HASHED:-131072}
 # Replica i publishes on EVENTS_PORT + i and answers replays on REPLAY_PORT + i.
 EVENTS_PORT=${EVENTS_PORT:-25557}
 REPLAY_PORT=${REPLAY_PORT:-25657}
@@ -71,7 +74,8 @@ run() {
         "$u" $((EVENTS_PORT + i)) $((REPLAY_PORT + i))
       i=$((i + 1))
     done
-    printf '[routing]\npolicy = "%s"\nforeign_load = %s\n' "$policy" "$([ "$n" -gt 1 ] && echo true || echo false)"
+    printf '[routing]\npolicy = "%s"\nforeign_load = %s\nmax_hashed_tokens = %s\n' "$policy" \
+      "$([ "$n" -gt 1 ] && echo true || echo false)" "$MAX_HASHED"
   } >"$dir/headroom.toml"
   local proxies=() admins=() serve_pids=()
   for k in $(seq "$n"); do
