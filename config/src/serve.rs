@@ -392,7 +392,8 @@ pub struct RoutingConfig {
     pub policy: String,
     /// Tokens per prefix block (the engine's `--block-size`).
     pub block_tokens: u32,
-    /// Prompt tokens hashed at most; longer prompts are routed on their start.
+    /// Prompt tokens hashed at most; longer prompts are routed on their start (raise it to the
+    /// model's context for long prompts: docs/routing.md).
     pub max_hashed_tokens: u32,
     /// Seed mixed into every prefix hash chain.
     pub hash_seed: u64,
