@@ -472,28 +472,21 @@ impl Core {
                 self.preempt(key);
                 continue;
             }
-            let mut shape = StepShape::default();
-            self.add_to_shape(&mut shape, key, n);
-            let step = Step {
-                duration: Duration::ZERO,
-                shape,
-                scheduled: vec![(key, n)],
-            };
-            let emitted = out.len();
-            self.complete(step, due, out);
-            let finished = out[emitted..].iter().any(|o| o.finish.is_some());
-            if !finished {
+            if !self.compute(key, n, due, out) {
                 let running = self.running.len() as u64;
                 let next = due
                     + self
                         .timer
                         .per_request_interval(false, running, &mut self.rng);
-                if let Some(seq) = self.seqs.get_mut(&key) {
-                    seq.due = Some(next);
-                    self.dues.insert((next, key));
-                }
+                let seq = self
+                    .seqs
+                    .get_mut(&key)
+                    .expect("an unfinished request is known");
+                seq.due = Some(next);
+                self.dues.insert((next, key));
             }
         }
+        self.update_gauges();
     }
 
     /// Applies a step that ended at `now`, appending the tokens it produced to `out`.
@@ -510,63 +503,74 @@ impl Core {
                     .saturating_sub(seq.arrival);
                 self.metrics.queue.observe(queued.as_secs_f64());
             }
-            seq.num_computed += n;
-            if seq.num_computed < seq.num_tokens() {
-                continue; // a partial prefill chunk emits nothing
-            }
-            let index = u64::from(seq.output_len());
-            let word_for = |seed: u64| {
-                (xxh3_64_with_seed(&index.to_le_bytes(), seed) % WORDS.len() as u64) as usize
-            };
-            let mut word = word_for(seq.seed);
-            if seq.perturb_from.is_some_and(|p| index >= u64::from(p)) {
-                // A different word at the perturbed position itself, then another sequence.
-                let other = word_for(seq.seed ^ 0x9E37_79B9_7F4A_7C15);
-                word = if other == word {
-                    (word + 1) % WORDS.len()
-                } else {
-                    other
-                };
-            }
-            let token_id = self.word_ids[word];
-            seq.tokens.push(token_id);
-            self.hasher
-                .extend(&mut seq.hashes, &seq.tokens, &seq.hash_extra);
-            let produced = seq.output_len();
-            match seq.last_token {
-                None => {
-                    seq.first_token = Some(now);
-                    self.metrics
-                        .ttft
-                        .observe(now.saturating_sub(seq.arrival).as_secs_f64());
-                    self.metrics.prompt_tokens.inc_by(u64::from(seq.prompt_len));
-                }
-                Some(last) => self
-                    .metrics
-                    .itl
-                    .observe(now.saturating_sub(last).as_secs_f64()),
-            }
-            seq.last_token = Some(now);
-            self.metrics.generation_tokens.inc();
-            let finish = if seq.eos_at == Some(produced) {
-                Some(FinishReason::Stop)
-            } else if produced >= seq.max_tokens || seq.num_tokens() >= self.cfg.max_model_len {
-                Some(FinishReason::Length)
+            self.compute(key, n, now, out);
+        }
+        self.update_gauges();
+    }
+
+    /// Computes `n` more tokens of `key` at `now`; once all are computed, samples one and appends
+    /// it to `out`. Returns whether the request finished.
+    fn compute(&mut self, key: u64, n: u32, now: Duration, out: &mut Vec<Output>) -> bool {
+        let seq = self.seqs.get_mut(&key).expect("computing a known request");
+        seq.num_computed += n;
+        if seq.num_computed < seq.num_tokens() {
+            return false; // a partial prefill chunk emits nothing
+        }
+        let index = u64::from(seq.output_len());
+        let word_for = |seed: u64| {
+            (xxh3_64_with_seed(&index.to_le_bytes(), seed) % WORDS.len() as u64) as usize
+        };
+        let mut word = word_for(seq.seed);
+        if seq.perturb_from.is_some_and(|p| index >= u64::from(p)) {
+            // A different word at the perturbed position itself, then another sequence.
+            let other = word_for(seq.seed ^ 0x9E37_79B9_7F4A_7C15);
+            word = if other == word {
+                (word + 1) % WORDS.len()
             } else {
-                None
+                other
             };
-            // An EOS token detokenizes to nothing: the last chunk of a `stop` carries "".
-            let text = if finish == Some(FinishReason::Stop) {
-                ""
-            } else {
-                spaced_word(word as u64)
-            };
-            match finish {
-                Some(reason) => {
-                    self.running.retain(|&k| k != key);
-                    out.push(self.finish(key, reason, now, text, token_id));
-                }
-                None => out.push(Output {
+        }
+        let token_id = self.word_ids[word];
+        seq.tokens.push(token_id);
+        self.hasher
+            .extend(&mut seq.hashes, &seq.tokens, &seq.hash_extra);
+        let produced = seq.output_len();
+        match seq.last_token {
+            None => {
+                seq.first_token = Some(now);
+                self.metrics
+                    .ttft
+                    .observe(now.saturating_sub(seq.arrival).as_secs_f64());
+                self.metrics.prompt_tokens.inc_by(u64::from(seq.prompt_len));
+            }
+            Some(last) => self
+                .metrics
+                .itl
+                .observe(now.saturating_sub(last).as_secs_f64()),
+        }
+        seq.last_token = Some(now);
+        self.metrics.generation_tokens.inc();
+        let finish = if seq.eos_at == Some(produced) {
+            Some(FinishReason::Stop)
+        } else if produced >= seq.max_tokens || seq.num_tokens() >= self.cfg.max_model_len {
+            Some(FinishReason::Length)
+        } else {
+            None
+        };
+        // An EOS token detokenizes to nothing: the last chunk of a `stop` carries "".
+        let text = if finish == Some(FinishReason::Stop) {
+            ""
+        } else {
+            spaced_word(word as u64)
+        };
+        match finish {
+            Some(reason) => {
+                self.running.retain(|&k| k != key);
+                out.push(self.finish(key, reason, now, text, token_id));
+                true
+            }
+            None => {
+                out.push(Output {
                     key,
                     text,
                     token_id,
@@ -575,10 +579,10 @@ impl Core {
                     cached_tokens: seq.cached_tokens.unwrap_or(0),
                     finish: None,
                     at: now,
-                }),
+                });
+                false
             }
         }
-        self.update_gauges();
     }
 
     fn update_gauges(&self) {
@@ -753,7 +757,8 @@ mod tests {
         }
     }
 
-    /// Runs to completion in virtual time; arrivals are (time, request).
+    /// Runs to completion in virtual time; arrivals are (time, request). Time jumps to the end of
+    /// each step, or with a per-request timer to the next due token, or to the next arrival.
     fn run(
         core: &mut Core,
         mut arrivals: Vec<(Duration, NewRequest)>,
@@ -767,15 +772,25 @@ mod tests {
                 let (t, r) = arrivals.pop_front().unwrap();
                 core.submit(r, t);
             }
-            match core.schedule() {
-                Some(step) => {
-                    now += step.duration;
-                    core.complete(step, now, &mut outs);
+            let next_arrival = arrivals.front().map(|(t, _)| *t);
+            if core.is_per_request() {
+                core.admit_per_request(now);
+                match core.next_due() {
+                    Some(due) if next_arrival.is_none_or(|a| due < a) => {
+                        now = due;
+                        core.emit_due(now, Duration::ZERO, &mut outs);
+                        continue;
+                    }
+                    _ => {}
                 }
-                None => match arrivals.front() {
-                    Some((t, _)) => now = *t,
-                    None => break,
-                },
+            } else if let Some(step) = core.schedule() {
+                now += step.duration;
+                core.complete(step, now, &mut outs);
+                continue;
+            }
+            match next_arrival {
+                Some(t) => now = t,
+                None => break,
             }
         }
         assert!(core.is_idle());
@@ -798,39 +813,6 @@ mod tests {
             },
         };
         core_with(blocks, 4096, max_num_seqs, timer)
-    }
-
-    /// [`run`] for a per-request timer: time jumps to the next arrival or due token.
-    fn run_per_request(
-        core: &mut Core,
-        mut arrivals: Vec<(Duration, NewRequest)>,
-    ) -> HashMap<u64, Vec<Output>> {
-        arrivals.sort_by_key(|(t, _)| *t);
-        let mut arrivals: VecDeque<_> = arrivals.into();
-        let mut now = Duration::ZERO;
-        let mut outs = Vec::new();
-        loop {
-            while arrivals.front().is_some_and(|(t, _)| *t <= now) {
-                let (t, r) = arrivals.pop_front().unwrap();
-                core.submit(r, t);
-            }
-            core.admit_per_request(now);
-            let next_arrival = arrivals.front().map(|(t, _)| *t);
-            match (core.next_due(), next_arrival) {
-                (None, None) => break,
-                (Some(due), arrival) if arrival.is_none_or(|a| due < a) => {
-                    now = due;
-                    core.emit_due(now, Duration::ZERO, &mut outs);
-                }
-                (_, arrival) => now = arrival.expect("an arrival comes first"),
-            }
-        }
-        assert!(core.is_idle());
-        let mut by_key: HashMap<u64, Vec<Output>> = HashMap::new();
-        for o in outs {
-            by_key.entry(o.key).or_default().push(o);
-        }
-        by_key
     }
 
     fn tokens(seed: u32, n: usize) -> Vec<u32> {
@@ -1013,7 +995,7 @@ mod tests {
     fn per_request_timing_gives_every_request_its_own_clock() {
         let mut c = fixed_core(1000, 64);
         let arrivals = [0.0, 3.0, 7.5, 31.25];
-        let out = run_per_request(
+        let out = run(
             &mut c,
             arrivals
                 .iter()
@@ -1045,7 +1027,7 @@ mod tests {
     #[test]
     fn per_request_timing_holds_what_does_not_fit_and_times_it_from_admission() {
         let mut c = fixed_core(1000, 1);
-        let out = run_per_request(
+        let out = run(
             &mut c,
             vec![
                 (Duration::ZERO, request(1, tokens(1, 50), 2)),
@@ -1062,7 +1044,7 @@ mod tests {
     fn per_request_timing_counts_prefix_hits_and_survives_preemption() {
         let mut c = fixed_core(1000, 64);
         let prompt = tokens(9, 200);
-        let out = run_per_request(
+        let out = run(
             &mut c,
             vec![
                 (Duration::ZERO, request(1, prompt.clone(), 2)),
@@ -1074,7 +1056,7 @@ mod tests {
 
         // Room for the prompts (4 blocks each) but not for both to grow past them.
         let mut c = fixed_core(10, 64);
-        let out = run_per_request(
+        let out = run(
             &mut c,
             (1..=2)
                 .map(|k| (Duration::ZERO, request(k, tokens(k as u32, 64), 40)))

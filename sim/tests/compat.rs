@@ -55,6 +55,33 @@ async fn events(resp: reqwest::Response) -> Vec<String> {
         .collect()
 }
 
+/// A streamed request whose client goes away after its first chunk ends as an abort in the
+/// engine, which then runs nothing.
+async fn disconnect_is_aborted(r: &RunningReplica) {
+    let mut resp = post(
+        r,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 1000, "stream": true, "ignore_eos": true}),
+    )
+    .await;
+    resp.chunk().await.unwrap();
+    drop(resp);
+    let mut aborted = 0.0;
+    for _ in 0..400 {
+        aborted = metric(
+            r,
+            "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\"",
+        )
+        .await;
+        if aborted > 0.0 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(5)).await;
+    }
+    assert_eq!(aborted, 1.0);
+    assert_eq!(metric(r, "vllm:num_requests_running").await, 0.0);
+}
+
 async fn metric(r: &RunningReplica, name: &str) -> f64 {
     let text = client()
         .get(format!("{}/metrics", r.url()))
@@ -680,29 +707,8 @@ async fn faults_drop_stall_error_and_cold_start() {
 #[tokio::test]
 async fn client_disconnect_aborts_the_request_in_the_engine() {
     let r = replica(&["--inter-token-latency", "20"]).await;
-    let mut resp = post(
-        &r,
-        "/v1/completions",
-        json!({"prompt": "hi", "max_tokens": 1000, "stream": true, "ignore_eos": true}),
-    )
-    .await;
-    resp.chunk().await.unwrap();
-    drop(resp);
-    let mut aborted = 0.0;
     // The engine picks the cancellation up at its next step boundary (every 20 ms here).
-    for _ in 0..400 {
-        aborted = metric(
-            &r,
-            "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\"",
-        )
-        .await;
-        if aborted > 0.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert_eq!(aborted, 1.0);
-    assert_eq!(metric(&r, "vllm:num_requests_running").await, 0.0);
+    disconnect_is_aborted(&r).await;
 }
 
 #[tokio::test]
@@ -744,26 +750,5 @@ async fn fixed_model_times_every_request_on_its_own_clock() {
     assert_eq!(metric(&r, "vllm:generation_tokens_total").await, 80.0);
 
     // A client that goes away is aborted (the cancellation wakes the engine).
-    let mut resp = post(
-        &r,
-        "/v1/completions",
-        json!({"prompt": "hi", "max_tokens": 1000, "stream": true, "ignore_eos": true}),
-    )
-    .await;
-    resp.chunk().await.unwrap();
-    drop(resp);
-    let mut aborted = 0.0;
-    for _ in 0..400 {
-        aborted = metric(
-            &r,
-            "vllm:request_success_total{engine=\"0\",finished_reason=\"abort\"",
-        )
-        .await;
-        if aborted > 0.0 {
-            break;
-        }
-        tokio::time::sleep(Duration::from_millis(5)).await;
-    }
-    assert_eq!(aborted, 1.0);
-    assert_eq!(metric(&r, "vllm:num_requests_running").await, 0.0);
+    disconnect_is_aborted(&r).await;
 }
