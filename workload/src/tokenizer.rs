@@ -65,11 +65,14 @@ impl Tokenizer {
 
 /// The id of one piece produced by the rules above.
 pub fn piece_id(piece: &str) -> u32 {
-    if let Some(&(_, id)) = SPECIALS.iter().find(|(s, _)| *s == piece) {
-        return id;
-    }
-    if is_special(piece.as_bytes()).is_some() {
-        return 128_010 + (xxh3_64(piece.as_bytes()) % 246) as u32;
+    // Every special starts with `<|`: an ordinary piece skips the lookups.
+    if piece.starts_with("<|") {
+        if let Some(&(_, id)) = SPECIALS.iter().find(|(s, _)| *s == piece) {
+            return id;
+        }
+        if is_special(piece.as_bytes()).is_some() {
+            return 128_010 + (xxh3_64(piece.as_bytes()) % 246) as u32;
+        }
     }
     FIRST_ORDINARY_ID + (xxh3_64(piece.as_bytes()) % u64::from(ORDINARY_ID_COUNT)) as u32
 }
@@ -86,29 +89,23 @@ fn is_special(b: &[u8]) -> Option<usize> {
     (i > 2 && i + 1 < b.len() && &b[i..i + 2] == b"|>").then_some(i + 2)
 }
 
+// The rules scan bytes where the text is ASCII (for an ASCII byte, `char::is_whitespace` and
+// `char::is_alphanumeric` agree with their `u8::is_ascii_*` forms) and decode a char only where it
+// is not; the tests hold this to the rules as first written, char by char.
 fn for_each_piece<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
     let bytes = text.as_bytes();
     let mut pos = 0;
-    while pos < text.len() {
+    while pos < bytes.len() {
         let rest = &text[pos..];
         if let Some(len) = is_special(&bytes[pos..]) {
             emit(&rest[..len]);
             pos += len;
             continue;
         }
-        let mut chars = rest.char_indices().peekable();
-        let Some((_, first)) = chars.next() else {
-            break;
-        };
+        let (first, _) = char_at(rest, 0);
         if first.is_whitespace() {
             // The whitespace run, then whether the next char starts a word or symbol.
-            let mut end = rest.len();
-            for (i, c) in rest.char_indices() {
-                if !c.is_whitespace() {
-                    end = i;
-                    break;
-                }
-            }
+            let end = whitespace_run(rest);
             let followed = end < rest.len() && !is_special_start(&bytes[pos + end..]);
             if followed && rest.as_bytes()[end - 1] == b' ' {
                 if end > 1 {
@@ -131,6 +128,29 @@ fn for_each_piece<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
     }
 }
 
+/// The char starting at byte `i` of `s` and its length in bytes (`i` on a char boundary, in range).
+fn char_at(s: &str, i: usize) -> (char, usize) {
+    let b = s.as_bytes()[i];
+    if b.is_ascii() {
+        return (char::from(b), 1);
+    }
+    let c = s[i..].chars().next().expect("in range, on a boundary");
+    (c, c.len_utf8())
+}
+
+/// Byte length of the run of whitespace at the start of `s`.
+fn whitespace_run(s: &str) -> usize {
+    let mut i = 0;
+    while i < s.len() {
+        let (c, n) = char_at(s, i);
+        if !c.is_whitespace() {
+            break;
+        }
+        i += n;
+    }
+    i
+}
+
 fn is_special_start(b: &[u8]) -> bool {
     is_special(b).is_some()
 }
@@ -140,19 +160,21 @@ fn is_special_start(b: &[u8]) -> bool {
 fn word_or_symbol(s: &str, leading_space: bool) -> usize {
     let start = usize::from(leading_space);
     let body = &s[start..];
-    let mut it = body.char_indices();
-    let Some((_, c0)) = it.next() else {
+    if body.is_empty() {
         return s.len();
-    };
-    if !c0.is_alphanumeric() {
-        return start + c0.len_utf8();
     }
-    let mut end = c0.len_utf8();
-    for (i, c) in it.take(MAX_WORD_CHARS - 1) {
+    let (c0, n0) = char_at(body, 0);
+    if !c0.is_alphanumeric() {
+        return start + n0;
+    }
+    let (mut end, mut chars) = (n0, 1);
+    while chars < MAX_WORD_CHARS && end < body.len() {
+        let (c, n) = char_at(body, end);
         if !c.is_alphanumeric() {
             break;
         }
-        end = i + c.len_utf8();
+        end += n;
+        chars += 1;
     }
     start + end
 }
@@ -160,6 +182,114 @@ fn word_or_symbol(s: &str, leading_space: bool) -> usize {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    // The rules as first written, char by char: the byte-scanning version must cut every text
+    // exactly as this does.
+    fn reference_pieces<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
+        let bytes = text.as_bytes();
+        let mut pos = 0;
+        while pos < text.len() {
+            let rest = &text[pos..];
+            if let Some(len) = is_special(&bytes[pos..]) {
+                emit(&rest[..len]);
+                pos += len;
+                continue;
+            }
+            let Some(first) = rest.chars().next() else {
+                break;
+            };
+            if first.is_whitespace() {
+                // The whitespace run, then whether the next char starts a word or symbol.
+                let mut end = rest.len();
+                for (i, c) in rest.char_indices() {
+                    if !c.is_whitespace() {
+                        end = i;
+                        break;
+                    }
+                }
+                let followed = end < rest.len() && !reference_is_special_start(&bytes[pos + end..]);
+                if followed && rest.as_bytes()[end - 1] == b' ' {
+                    if end > 1 {
+                        emit(&rest[..end - 1]);
+                    }
+                    pos += end - 1;
+                    // The remaining single space is taken by the word/symbol rule below.
+                    let len = reference_word_or_symbol(&rest[end - 1..], true);
+                    emit(&rest[end - 1..end - 1 + len]);
+                    pos += len;
+                } else {
+                    emit(&rest[..end]);
+                    pos += end;
+                }
+                continue;
+            }
+            let len = reference_word_or_symbol(rest, false);
+            emit(&rest[..len]);
+            pos += len;
+        }
+    }
+
+    fn reference_is_special_start(b: &[u8]) -> bool {
+        is_special(b).is_some()
+    }
+
+    // Byte length of the word or symbol token at the start of `s` (which starts with one space when
+    // `leading_space`).
+    fn reference_word_or_symbol(s: &str, leading_space: bool) -> usize {
+        let start = usize::from(leading_space);
+        let body = &s[start..];
+        let mut it = body.char_indices();
+        let Some((_, c0)) = it.next() else {
+            return s.len();
+        };
+        if !c0.is_alphanumeric() {
+            return start + c0.len_utf8();
+        }
+        let mut end = c0.len_utf8();
+        for (i, c) in it.take(MAX_WORD_CHARS - 1) {
+            if !c.is_alphanumeric() {
+                break;
+            }
+            end = i + c.len_utf8();
+        }
+        start + end
+    }
+
+    #[test]
+    fn byte_scanning_cuts_as_the_char_by_char_rules_do() {
+        let alphabet: Vec<char> = "ab Z09 \t\n\r.,!-_<|>é😀\u{3000}\u{a0}ß中x"
+            .chars()
+            .collect();
+        let mut x = 0x9E37_79B9_7F4A_7C15u64;
+        let mut next = || {
+            x ^= x << 13;
+            x ^= x >> 7;
+            x ^= x << 17;
+            x
+        };
+        let fixed = [
+            "<|eot_id|>",
+            "<|a_1|>",
+            "<|",
+            "|>",
+            "aaaaaaaaaaaaaaaaa",
+            "   ",
+        ];
+        for _ in 0..20_000 {
+            let len = (next() % 40) as usize;
+            let mut text = String::new();
+            while text.chars().count() < len {
+                if next() % 8 == 0 {
+                    text.push_str(fixed[(next() % fixed.len() as u64) as usize]);
+                } else {
+                    text.push(alphabet[(next() % alphabet.len() as u64) as usize]);
+                }
+            }
+            let mut expected = Vec::new();
+            reference_pieces(&text, |p| expected.push(p));
+            assert_eq!(Tokenizer.pieces(&text), expected, "{text:?}");
+        }
+    }
 
     fn pieces(s: &str) -> Vec<&str> {
         Tokenizer.pieces(s)
