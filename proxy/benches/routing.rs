@@ -66,6 +66,20 @@ fn bench(c: &mut Criterion) {
             )
         })
     });
+    // A 100,000-token prompt (6,250 blocks) never seen before, recorded into a replica whose
+    // index is full (30,000 blocks, about an 8B model's KV cache on one H100): every block is new
+    // and evicts one, as for a long conversation's first turn.
+    let mut fresh = 1u64 << 40;
+    c.bench_function("prefix_index_record_6250_new_blocks_full_index", |b| {
+        b.iter(|| {
+            fresh += 6_250;
+            let blocks: Vec<u64> = (fresh..fresh + 6_250).collect();
+            policy.with_index(|ix| {
+                ix.set_capacity(5, 30_000);
+                ix.record(5, std::hint::black_box(&blocks))
+            })
+        })
+    });
     c.bench_function("consistent_hash_select_8_replicas", |b| {
         b.iter(|| ConsistentHash.select(std::hint::black_box(&req), &fleet))
     });

@@ -25,8 +25,10 @@
 use std::collections::{HashMap, VecDeque};
 use std::time::{Duration, Instant};
 
+use foldhash::fast::RandomState;
 use headroom_workload::BlockHash;
 use headroom_workload::kv_events::KvEvent;
+use smallvec::SmallVec;
 
 use super::BackendId;
 
@@ -115,7 +117,7 @@ struct Replica {
     /// Distinct blocks held.
     held: usize,
     /// Blocks sent and not yet confirmed: hash → deadline.
-    pending: HashMap<BlockHash, Instant>,
+    pending: HashMap<BlockHash, Instant, RandomState>,
     /// (deadline, hash) in dispatch order, for expiry.
     pending_order: VecDeque<(Instant, BlockHash)>,
     /// Sequence number and engine timestamp of the last batch applied, to tell after a
@@ -127,8 +129,9 @@ struct Replica {
 /// The per-replica exact pictures, with a shared map from block to the replicas holding it.
 #[derive(Debug)]
 pub struct KvIndex {
-    /// block → (replica, copies stored there).
-    holders: HashMap<BlockHash, Vec<(BackendId, u32)>>,
+    /// block → (replica, copies stored there); inline for the usual one or two replicas, hashed
+    /// with foldhash (block hashes are already uniform), as in the approximate index.
+    holders: HashMap<BlockHash, SmallVec<[(BackendId, u32); 2]>, RandomState>,
     replicas: Vec<Replica>,
     pending_ttl: Duration,
     stale_after: Duration,
@@ -138,7 +141,7 @@ impl KvIndex {
     /// An index of `replicas` replicas, none connected yet.
     pub fn new(replicas: usize, pending_ttl: Duration, stale_after: Duration) -> Self {
         Self {
-            holders: HashMap::new(),
+            holders: HashMap::default(),
             replicas: (0..replicas).map(|_| Replica::default()).collect(),
             pending_ttl,
             stale_after,
