@@ -12,6 +12,8 @@
 #                                                # then one per ITL_MS, no shared steps, so what a
 #                                                # hop adds is not rounded to an engine step)
 #   PIN=1 scripts/bench-overhead.sh              # each proxy on a core of its own (bench-common.sh)
+#   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
+#                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
 #                                                # builds: the replica and the load stay this one's).
 #   Build B, copy it aside, then run: this script builds target/release/headroom itself, e.g.
@@ -52,14 +54,24 @@ if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
 fi
 SERVE_BIN=${SERVE_BIN:-$bin}
 
-# RATE × DURATION requests (and some slack), 64-token prompts, TOKENS-token answers, no reuse.
-python3 - "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" <<'PY'
+# RATE × DURATION requests (and some slack), 64-token prompts, TOKENS-token answers, no reuse; with
+# LONG_EVERY=N every Nth request is instead a LONG_TOKENS-token prompt with a one-token answer
+# (so the streams' ITL is the short requests' alone), which the proxy must read and hash whole.
+export LONG_EVERY=${LONG_EVERY:-0}
+export LONG_TOKENS=${LONG_TOKENS:-100000}
+python3 - "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" "$LONG_EVERY" "$LONG_TOKENS" <<'PY'
 import json, sys
-path, n, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+path, n, tokens, every, long_tokens = sys.argv[1], *map(int, sys.argv[2:])
 with open(path, "w") as f:
     for i in range(n):
-        f.write(json.dumps({"timestamp": 0, "input_length": 64, "output_length": tokens,
-                            "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}) + "\n")
+        if every and i % every == every - 1:
+            blocks = -(-long_tokens // 512)
+            row = {"timestamp": 0, "input_length": long_tokens, "output_length": 1,
+                   "hash_ids": [10**9 + blocks * i + b for b in range(blocks)], "block_tokens": 512}
+        else:
+            row = {"timestamp": 0, "input_length": 64, "output_length": tokens,
+                   "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}
+        f.write(json.dumps(row) + "\n")
 PY
 
 source scripts/bench-common.sh
@@ -77,7 +89,11 @@ sim_hostport=${sim#http://}
 capture_flags=()
 [ "${CAPTURE:-1}" = 1 ] && capture_flags=(--capture "$OUT/capture.jsonl")
 rm -f "$OUT/capture.jsonl"
-"${sut_on[@]}" "$SERVE_BIN" serve --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 --backends "$sim" "${capture_flags[@]}" \
+# The long prompts are hashed whole (routing.max_hashed_tokens), as a fleet serving them would be set.
+printf '[[backends]]\nurl = "%s"\n[routing]\nmax_hashed_tokens = %s\n' "$sim" \
+  "$(( LONG_EVERY > 0 && LONG_TOKENS > 32768 ? 131072 : 32768 ))" >"$OUT/headroom.toml"
+"${sut_on[@]}" "$SERVE_BIN" serve --config "$OUT/headroom.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+  "${capture_flags[@]}" \
   >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
 headroom_pid=$!
 pids+=($headroom_pid)
@@ -195,7 +211,10 @@ def load(config):
 res = {c: load(c) for c in ("direct", "headroom", "nginx")}
 d = res["direct"]
 placement = sys.argv[7]
-lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams, {duration} s × {rounds} rounds per configuration, interleaved; replica: {sys.argv[8]}; {placement}",
+import os
+every = int(os.environ.get("LONG_EVERY", "0"))
+longs = f", every {every}th request a {os.environ['LONG_TOKENS']}-token prompt with a 1-token answer" if every else ""
+lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams{longs}, {duration} s × {rounds} rounds per configuration, interleaved; replica: {sys.argv[8]}; {placement}",
          "percentiles: the median over rounds of each round's value", "",
          "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",
          "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
@@ -229,6 +248,31 @@ if gaps:
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]
+if every:
+    # The short requests (what a long prompt passing through does to everyone else) and the long
+    # ones (what the proxy's reading and hashing of it costs itself), TTFT from each request's row.
+    def pct(xs, p):
+        xs = sorted(xs)
+        k = (len(xs) - 1) * p
+        f = int(k)
+        return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f) if xs else float("nan")
+    def split(config):
+        per_round = []
+        for r in range(1, rounds + 1):
+            rows = [x for x in json.load(open(f"{out}/{config}-{r}/result.json"))["requests"]
+                    if not x.get("error_kind") and x.get("ttft_ms") is not None]
+            short = [x["ttft_ms"] for x in rows if x["input_length"] < 1000]
+            long_ = [x["ttft_ms"] for x in rows if x["input_length"] >= 1000]
+            per_round.append((pct(short, .5), pct(short, .99), pct(long_, .5), pct(long_, .99)))
+        return [statistics.median(v[i] for v in per_round) for i in range(4)]
+    parts = {c: split(c) for c in res}
+    ds = parts["direct"]
+    lines += ["", "TTFT of the short and the long requests apart (median over rounds), and what each proxy adds:", "",
+              "| path | short p50 ms | short p99 ms | long p50 ms | long p99 ms | added short p50 / p99 | added long p50 / p99 |",
+              "|---|---:|---:|---:|---:|---:|---:|"]
+    for c, v in parts.items():
+        added = "" if c == "direct" else f"{v[0]-ds[0]:+.2f} / {v[1]-ds[1]:+.2f} | {v[2]-ds[2]:+.2f} / {v[3]-ds[3]:+.2f}"
+        lines.append(f"| {c} | {v[0]:.2f} | {v[1]:.2f} | {v[2]:.2f} | {v[3]:.2f} | {added or ' | '} |")
 text = "\n".join(lines)
 open(f"{out}/summary.md", "w").write(text + "\n")
 print(text)

@@ -93,6 +93,9 @@ pub struct Metrics {
     admission: AdmissionGauges,
     /// Time spent routing (inspection excluded).
     pub route_seconds: Histogram,
+    /// Time spent inspecting a generation request's body (parse, render, tokenize, hash), by
+    /// where it ran (`worker`, or `blocking_pool` for large bodies).
+    pub inspect_seconds: HistogramVec,
     /// Responses cut by the replica or an idle timeout after they started, by backend.
     pub upstream_cut: IntCounterVec,
     /// Clients that went away before their response finished, by backend.
@@ -491,6 +494,17 @@ impl Metrics {
                 .buckets(vec![1e-6, 2e-6, 5e-6, 1e-5, 2e-5, 5e-5, 1e-4, 1e-3, 1e-2]),
             )
             .expect("valid metric"),
+            inspect_seconds: HistogramVec::new(
+                HistogramOpts::new(
+                    "headroom_inspect_seconds",
+                    "Time spent inspecting a generation request's body (parse, render, tokenize, hash), by where it ran: worker, or blocking_pool for large bodies.",
+                )
+                .buckets(vec![
+                    1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2,
+                ]),
+                &["on"],
+            )
+            .expect("valid metric"),
             upstream_cut: counter(
                 "headroom_upstream_cut_total",
                 "Responses cut by the replica or the idle timeout after they started.",
@@ -686,6 +700,7 @@ impl Metrics {
             Box::new(m.admission.tokens.clone()),
             Box::new(m.admission.token_budget.clone()),
             Box::new(m.route_seconds.clone()),
+            Box::new(m.inspect_seconds.clone()),
             Box::new(m.upstream_cut.clone()),
             Box::new(m.client_aborts.clone()),
             Box::new(b.in_flight.clone()),
