@@ -18,7 +18,7 @@ pub struct ServeArgs {
     /// Admin listener for /metrics, /stats, /healthz, /readyz [default: 127.0.0.1:9090].
     #[arg(long, value_name = "ADDR")]
     admin_listen: Option<String>,
-    /// Replica base URLs, comma-separated (replaces the config's backends).
+    /// Replica base URLs, comma-separated (replaces the config's backends, which the file may then leave out).
     #[arg(long, value_name = "URL,URL,…", value_delimiter = ',')]
     backends: Vec<String>,
     /// Routing policy [default: prefix_affinity].
@@ -45,6 +45,11 @@ impl ServeArgs {
     /// The config these flags describe, validated.
     pub fn config(&self) -> anyhow::Result<ServeConfig> {
         let mut cfg = match &self.config {
+            // The flags' backends complete the file, which may then leave them out: the whole
+            // is validated below.
+            Some(path) if !self.backends.is_empty() => {
+                headroom_config::load_toml_unvalidated::<ServeConfig>(path)?
+            }
             Some(path) => headroom_config::load_toml::<ServeConfig>(path)?,
             None if self.backends.is_empty() => anyhow::bail!(
                 "headroom serve needs --config FILE or --backends URL,URL,… (see config/examples/headroom.toml)"

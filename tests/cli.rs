@@ -260,6 +260,49 @@ fn bad_input_gets_a_clear_error() {
     }
 }
 
+#[test]
+fn a_config_file_may_leave_the_backends_to_the_flag_and_errors_print_once() {
+    let dir = std::env::temp_dir().join(format!("headroom-cfg-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let no_backends = dir.join("routing-only.toml");
+    std::fs::write(&no_backends, "[routing]\nmax_hashed_tokens = 131072\n").unwrap();
+    let path = no_backends.to_str().unwrap();
+
+    let ok = headroom(&[
+        "serve",
+        "--check",
+        "--config",
+        path,
+        "--backends",
+        "http://a:1",
+    ]);
+    let stdout = String::from_utf8_lossy(&ok.stdout);
+    assert!(
+        ok.status.success(),
+        "{stdout}\n{}",
+        String::from_utf8_lossy(&ok.stderr)
+    );
+    assert!(stdout.contains("1 backend(s)"), "{stdout}");
+
+    let missing = headroom(&["serve", "--check", "--config", path]);
+    assert!(!missing.status.success());
+    let stderr = String::from_utf8_lossy(&missing.stderr);
+    assert!(
+        stderr.contains("at least one backend is needed"),
+        "{stderr}"
+    );
+
+    // A TOML error carries its line and column, and is printed once, not once more as its cause.
+    let bad = dir.join("bad.toml");
+    std::fs::write(&bad, "listen = 5\n").unwrap();
+    let out = headroom(&["serve", "--check", "--config", bad.to_str().unwrap()]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert_eq!(stderr.matches("TOML parse error").count(), 1, "{stderr}");
+    assert!(stderr.contains("line 1, column 10"), "{stderr}");
+    std::fs::remove_dir_all(&dir).unwrap();
+}
+
 /// A child process whose stdout's first line is its URL; killed when dropped.
 struct Child {
     proc: std::process::Child,

@@ -28,20 +28,20 @@ impl fmt::Display for FieldError {
 #[derive(Debug, thiserror::Error)]
 pub enum ConfigError {
     /// The file could not be read.
-    #[error("cannot read config {path}: {source}")]
+    #[error("cannot read config {path}: {error}")]
     Read {
         /// The file.
         path: PathBuf,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (in the message, not a separate source: printed once in an error chain).
+        error: std::io::Error,
     },
     /// The file is not valid TOML for this schema.
-    #[error("invalid config {path}: {source}")]
+    #[error("invalid config {path}: {error}")]
     Parse {
         /// The file.
         path: PathBuf,
         /// The TOML error, with line and column.
-        source: Box<toml::de::Error>,
+        error: Box<toml::de::Error>,
     },
     /// The file parsed but some values are unusable; every problem is listed.
     #[error("invalid config {}:\n{}", path.display(), list(errors))]
@@ -99,10 +99,7 @@ pub fn parse_toml<T>(text: &str, origin: &Path) -> Result<T, ConfigError>
 where
     T: serde::de::DeserializeOwned + Validate,
 {
-    let value: T = toml::from_str(text).map_err(|e| ConfigError::Parse {
-        path: origin.to_owned(),
-        source: Box::new(e),
-    })?;
+    let value: T = parse_only(text, origin)?;
     let mut errors = Vec::new();
     value.validate("", &mut errors);
     if errors.is_empty() {
@@ -120,11 +117,30 @@ pub fn load_toml<T>(path: &Path) -> Result<T, ConfigError>
 where
     T: serde::de::DeserializeOwned + Validate,
 {
-    let text = std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
+    parse_toml(&read(path)?, path)
+}
+
+/// Reads and parses a TOML file without validating it, for a caller that completes the values
+/// first (from command-line flags) and validates the result itself.
+pub fn load_toml_unvalidated<T>(path: &Path) -> Result<T, ConfigError>
+where
+    T: serde::de::DeserializeOwned,
+{
+    parse_only(&read(path)?, path)
+}
+
+fn parse_only<T: serde::de::DeserializeOwned>(text: &str, origin: &Path) -> Result<T, ConfigError> {
+    toml::from_str(text).map_err(|e| ConfigError::Parse {
+        path: origin.to_owned(),
+        error: Box::new(e),
+    })
+}
+
+fn read(path: &Path) -> Result<String, ConfigError> {
+    std::fs::read_to_string(path).map_err(|e| ConfigError::Read {
         path: path.to_owned(),
-        source: e,
-    })?;
-    parse_toml(&text, path)
+        error: e,
+    })
 }
 
 #[cfg(test)]

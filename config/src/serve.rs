@@ -28,7 +28,9 @@ pub struct ServeConfig {
     /// Address of the admin listener (`/metrics`, `/healthz`, `/readyz`); loopback by default.
     #[serde(default = "default_admin_listen")]
     pub admin_listen: String,
-    /// The replicas.
+    /// The replicas (at least one; `headroom serve --backends` gives them instead, and then a file
+    /// may leave them out).
+    #[serde(default)]
     pub backends: Vec<BackendConfig>,
     /// How a replica is picked.
     #[serde(default)]
@@ -949,7 +951,7 @@ impl Validate for ServeConfig {
             p,
             "backends",
             "[]",
-            "at least one backend is needed",
+            "at least one backend is needed (in the file, or from --backends)",
         );
         let mut names = std::collections::HashSet::new();
         for (i, b) in self.backends.iter().enumerate() {

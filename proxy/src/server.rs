@@ -48,12 +48,12 @@ pub enum ServeError {
     #[error("{0}")]
     Capture(#[from] crate::telemetry::capture::CaptureError),
     /// A listener could not be bound.
-    #[error("cannot listen on {addr}: {source}")]
+    #[error("cannot listen on {addr}: {error}")]
     Bind {
         /// The address.
         addr: String,
-        /// Why.
-        source: std::io::Error,
+        /// Why (in the message, not a separate source: printed once in an error chain).
+        error: std::io::Error,
     },
 }
 
@@ -331,14 +331,14 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let bind = |addr: String| async move {
         tokio::net::TcpListener::bind(&addr)
             .await
-            .map_err(|source| ServeError::Bind { addr, source })
+            .map_err(|error| ServeError::Bind { addr, error })
     };
     let listener = bind(cfg.listen.clone()).await?;
     let admin_listener = bind(cfg.admin_listen.clone()).await?;
     let local = |l: &tokio::net::TcpListener, addr: &str| {
-        l.local_addr().map_err(|source| ServeError::Bind {
+        l.local_addr().map_err(|error| ServeError::Bind {
             addr: addr.to_owned(),
-            source,
+            error,
         })
     };
     let addr = local(&listener, &cfg.listen)?;

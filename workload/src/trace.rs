@@ -120,12 +120,12 @@ impl TraceRecord {
 #[derive(Debug, thiserror::Error)]
 pub enum TraceError {
     /// Reading failed.
-    #[error("reading line {line}: {source}")]
+    #[error("reading line {line}: {error}")]
     Io {
         /// 1-based line.
         line: usize,
-        /// The I/O error.
-        source: std::io::Error,
+        /// The I/O error (in the message, not a separate source: printed once in an error chain).
+        error: std::io::Error,
     },
     /// A line is not a valid record.
     #[error("line {line}: {reason}")]
@@ -145,9 +145,9 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> 
     let mut sorted = true;
     for (i, line) in reader.lines().enumerate() {
         let line_no = i + 1;
-        let line = line.map_err(|source| TraceError::Io {
+        let line = line.map_err(|error| TraceError::Io {
             line: line_no,
-            source,
+            error,
         })?;
         if line.trim().is_empty() {
             continue;
@@ -330,7 +330,7 @@ fn read_csv(
 ) -> Result<(), TraceError> {
     let mut lines = reader.lines();
     let header = match lines.next() {
-        Some(h) => h.map_err(|source| TraceError::Io { line: 1, source })?,
+        Some(h) => h.map_err(|error| TraceError::Io { line: 1, error })?,
         None => return Ok(()),
     };
     let cols = columns(&header, required)?;
@@ -340,9 +340,9 @@ fn read_csv(
         .collect();
     for (i, line) in lines.enumerate() {
         let line_no = i + 2;
-        let text = line.map_err(|source| TraceError::Io {
+        let text = line.map_err(|error| TraceError::Io {
             line: line_no,
-            source,
+            error,
         })?;
         if text.trim().is_empty() {
             continue;

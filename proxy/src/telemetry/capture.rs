@@ -83,10 +83,11 @@ pub struct Capture {
 
 /// Why the capture could not start.
 #[derive(Debug, thiserror::Error)]
-#[error("capture file {path}: {source}")]
+#[error("capture file {path}: {error}")]
 pub struct CaptureError {
     path: String,
-    source: std::io::Error,
+    /// In the message, not a separate source: printed once in an error chain.
+    error: std::io::Error,
 }
 
 impl Capture {
@@ -100,9 +101,9 @@ impl Capture {
         };
         let path = PathBuf::from(path);
         let shown = path.display().to_string();
-        let err = |source| CaptureError {
+        let err = |error| CaptureError {
             path: shown.clone(),
-            source,
+            error,
         };
         if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
             std::fs::create_dir_all(dir).map_err(err)?;
