@@ -91,7 +91,7 @@ capture_flags=()
 rm -f "$OUT/capture.jsonl"
 # The long prompts are hashed whole (routing.max_hashed_tokens), as a fleet serving them would be set.
 printf '[[backends]]\nurl = "%s"\n[routing]\nmax_hashed_tokens = %s\n' "$sim" \
-  "$(( LONG_EVERY > 0 && LONG_TOKENS > 32768 ? 131072 : 32768 ))" >"$OUT/headroom.toml"
+  "$(( LONG_TOKENS > 131072 ? LONG_TOKENS : 131072 ))" >"$OUT/headroom.toml"
 "${sut_on[@]}" "$SERVE_BIN" serve --config "$OUT/headroom.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
   "${capture_flags[@]}" \
   >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
@@ -121,6 +121,7 @@ http {
       proxy_set_header Connection "";
       proxy_buffering off;
       proxy_request_buffering off;
+      client_max_body_size 0;
       proxy_read_timeout 300s;
     }
   }
@@ -213,7 +214,7 @@ d = res["direct"]
 placement = sys.argv[7]
 import os
 every = int(os.environ.get("LONG_EVERY", "0"))
-longs = f", every {every}th request a {os.environ['LONG_TOKENS']}-token prompt with a 1-token answer" if every else ""
+longs = f", 1 request in {every} a {os.environ['LONG_TOKENS']}-token prompt with a 1-token answer" if every else ""
 lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams{longs}, {duration} s × {rounds} rounds per configuration, interleaved; replica: {sys.argv[8]}; {placement}",
          "percentiles: the median over rounds of each round's value", "",
          "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",

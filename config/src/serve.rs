@@ -394,8 +394,8 @@ pub struct RoutingConfig {
     pub policy: String,
     /// Tokens per prefix block (the engine's `--block-size`).
     pub block_tokens: u32,
-    /// Prompt tokens hashed at most; longer prompts are routed on their start (raise it to the
-    /// model's context for long prompts: docs/routing.md).
+    /// Prompt tokens hashed at most; longer prompts are routed on their start. The default covers a
+    /// 128k-token context whole; raise it to a longer model context (docs/routing.md).
     pub max_hashed_tokens: u32,
     /// Seed mixed into every prefix hash chain.
     pub hash_seed: u64,
@@ -419,7 +419,7 @@ impl Default for RoutingConfig {
         Self {
             policy: "prefix_affinity".into(),
             block_tokens: 16,
-            max_hashed_tokens: 32_768,
+            max_hashed_tokens: 131_072,
             hash_seed: 0,
             decode_weight: 8.0,
             recompute_weight: 2.0,

@@ -50,6 +50,9 @@ pub struct Headroom {
     pub cfg: Arc<ServeConfig>,
     /// Prompt hashing settings.
     pub inspect: InspectConfig,
+    /// Large-body inspections running at once on the blocking pool, at most one per core: a
+    /// burst of long prompts queues here instead of starting a thread each.
+    pub inspect_slots: Arc<tokio::sync::Semaphore>,
     /// For fan-out requests (`/v1/models`).
     pub http: reqwest::Client,
     /// Where finished requests are recorded.
@@ -426,12 +429,17 @@ impl Headroom {
         let (result, on) = if body.len() < INSPECT_OFF_WORKER_BYTES {
             (inspect(endpoint, body, &self.inspect), "worker")
         } else {
+            // The semaphore is never closed, so a permit always comes.
+            let slot = self.inspect_slots.clone().acquire_owned().await;
             let (body, cfg) = (body.clone(), self.inspect.clone());
-            let result = tokio::task::spawn_blocking(move || inspect(endpoint, &body, &cfg))
-                .await
-                // Only a panic in the inspector lands here: the request is still served,
-                // unrouted by prefix, like any body headroom cannot read.
-                .unwrap_or_else(|e| Err(InspectError::Body(format!("inspection failed: {e}"))));
+            let result = tokio::task::spawn_blocking(move || {
+                let _slot = slot;
+                inspect(endpoint, &body, &cfg)
+            })
+            .await
+            // Only a panic in the inspector lands here: the request is still served,
+            // unrouted by prefix, like any body headroom cannot read.
+            .unwrap_or_else(|e| Err(InspectError::Body(format!("inspection failed: {e}"))));
             (result, "blocking_pool")
         };
         self.metrics

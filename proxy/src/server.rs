@@ -45,7 +45,7 @@ pub enum ServeError {
     #[error("{0}")]
     Config(String),
     /// The trace capture file could not be opened.
-    #[error("{0}")]
+    #[error(transparent)]
     Capture(#[from] crate::telemetry::capture::CaptureError),
     /// A listener could not be bound.
     #[error("cannot listen on {addr}: {error}")]
@@ -462,6 +462,9 @@ impl Generation {
             connector,
             cfg: cfg.clone(),
             inspect,
+            inspect_slots: Arc::new(tokio::sync::Semaphore::new(
+                std::thread::available_parallelism().map_or(1, usize::from),
+            )),
             http: http.clone(),
             recorder,
             shadows: shadows.clone(),

@@ -15,7 +15,7 @@
 //! | parameter | meaning | default |
 //! |---|---|---|
 //! | `block_tokens` | tokens per prefix block (vLLM's `--block-size`) | 16 |
-//! | `max_hashed_tokens` | how much of a huge prompt is hashed; the rest only counted | 32768 |
+//! | `max_hashed_tokens` | how much of a huge prompt is hashed; the rest only counted | 131072 |
 //! | `hash_seed` | mixes into every chain, so unrelated deployments never share hashes | 0 |
 //!
 //! The token count is exact on headroom's simulator and an estimate for real engines, whose
@@ -101,7 +101,7 @@ impl Default for InspectConfig {
     fn default() -> Self {
         Self {
             block_tokens: 16,
-            max_hashed_tokens: 32_768,
+            max_hashed_tokens: 131_072,
             hash_seed: 0,
             chain: Chain::Headroom,
         }

@@ -5,21 +5,21 @@
 //! | operation | cost |
 //! |---|---|
 //! | `overlaps(blocks)` | one hash lookup per matched block (walks the chain once for all replicas) |
-//! | `record(replica, blocks)` | one hash lookup and one queue push per block, plus evictions |
-//! | eviction | one queue pop and one hash lookup per block evicted (amortised: see below) |
+//! | `record(replica, blocks)` | one hash lookup and one list move per block, plus evictions |
+//! | eviction | one list pop and one hash lookup per block evicted |
 //! | `remove_replica` | proportional to the replica's entries |
 //!
 //! Capacity is in blocks: `kv_capacity_tokens / block_tokens` for each replica (from
 //! `vllm:cache_config_info`), so the index forgets about as fast as the replica's cache does.
 //!
-//! Recency is a queue of `(tick, block)` in touch order per replica. Touching a block again pushes
-//! a new entry and leaves the old one behind as stale (its tick is no longer the block's tick for
-//! that replica); eviction pops from the front and skips stale entries, and the queue is compacted
-//! when stale entries outnumber live ones. Every operation is then O(1) amortised per block: a
-//! 100,000-token prompt is recorded in a fraction of a millisecond (routing.md#cost), on the request
-//! path and under the index's lock.
+//! Recency is a doubly linked list per replica, its nodes in a slab indexed by `u32`, oldest at the
+//! head; the shared block map points each holder at its node, so a touch moves the node to the tail
+//! and an eviction pops the head, both O(1) with no pause to tidy up: a 100,000-token prompt is
+//! recorded in about a millisecond (routing.md#cost), on the request path and under the index's
+//! lock. (An LRU crate keeps its own map per cache; here one map serves every replica, which is
+//! what lets `overlaps` answer for all of them in one walk.)
 
-use std::collections::{HashMap, VecDeque};
+use std::collections::HashMap;
 
 use foldhash::fast::RandomState;
 use headroom_workload::BlockHash;
@@ -27,28 +27,134 @@ use smallvec::SmallVec;
 
 use super::BackendId;
 
-/// Which replicas hold a block, with the tick of its last use on each (rarely more than two).
-type Holders = SmallVec<[(BackendId, u64); 2]>;
+/// Which replicas hold a block, with its node in each one's recency list (rarely more than two).
+type Holders = SmallVec<[(BackendId, u32); 2]>;
 
-#[derive(Debug, Default)]
+/// No node.
+const NIL: u32 = u32::MAX;
+
+#[derive(Debug, Clone, Copy)]
+struct Node {
+    block: BlockHash,
+    prev: u32,
+    next: u32,
+}
+
+/// One replica's blocks in recency order, oldest first.
+#[derive(Debug)]
 struct ReplicaLru {
     /// Blocks it may hold; None until the replica's KV capacity is known (then nothing is evicted,
     /// rather than nothing learned).
     capacity: Option<usize>,
-    /// `(tick, block)` in touch order, oldest first, stale entries included.
-    queue: VecDeque<(u64, BlockHash)>,
-    /// Distinct blocks held (the queue's live entries).
+    nodes: Vec<Node>,
+    /// Slots of `nodes` free for reuse.
+    free: Vec<u32>,
+    head: u32,
+    tail: u32,
+    /// Blocks held (nodes in the list).
     live: usize,
+}
+
+impl Default for ReplicaLru {
+    fn default() -> Self {
+        Self {
+            capacity: None,
+            nodes: Vec::new(),
+            free: Vec::new(),
+            head: NIL,
+            tail: NIL,
+            live: 0,
+        }
+    }
+}
+
+impl ReplicaLru {
+    /// Appends `block` as the most recent; returns its node.
+    fn push_back(&mut self, block: BlockHash) -> u32 {
+        let node = Node {
+            block,
+            prev: self.tail,
+            next: NIL,
+        };
+        let i = match self.free.pop() {
+            Some(i) => {
+                self.nodes[i as usize] = node;
+                i
+            }
+            None => {
+                self.nodes.push(node);
+                u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 blocks per replica")
+            }
+        };
+        match self.tail {
+            NIL => self.head = i,
+            t => self.nodes[t as usize].next = i,
+        }
+        self.tail = i;
+        self.live += 1;
+        i
+    }
+
+    fn unlink(&mut self, i: u32) {
+        let Node { prev, next, .. } = self.nodes[i as usize];
+        match prev {
+            NIL => self.head = next,
+            p => self.nodes[p as usize].next = next,
+        }
+        match next {
+            NIL => self.tail = prev,
+            n => self.nodes[n as usize].prev = prev,
+        }
+    }
+
+    /// Makes node `i` the most recent.
+    fn touch(&mut self, i: u32) {
+        if self.tail == i {
+            return;
+        }
+        self.unlink(i);
+        let node = &mut self.nodes[i as usize];
+        node.prev = self.tail;
+        node.next = NIL;
+        match self.tail {
+            NIL => self.head = i,
+            t => self.nodes[t as usize].next = i,
+        }
+        self.tail = i;
+    }
+
+    /// Removes and returns the oldest block.
+    fn pop_front(&mut self) -> Option<BlockHash> {
+        let i = self.head;
+        if i == NIL {
+            return None;
+        }
+        self.unlink(i);
+        self.free.push(i);
+        self.live -= 1;
+        Some(self.nodes[i as usize].block)
+    }
+
+    /// The blocks held, oldest first.
+    fn blocks(&self) -> impl Iterator<Item = BlockHash> + '_ {
+        let mut i = self.head;
+        std::iter::from_fn(move || {
+            (i != NIL).then(|| {
+                let n = self.nodes[i as usize];
+                i = n.next;
+                n.block
+            })
+        })
+    }
 }
 
 /// The per-replica LRU sets, with a shared map from block to the replicas holding it.
 #[derive(Debug, Default)]
 pub struct PrefixIndex {
-    /// block → (replica, tick of its last use there). Block hashes are already uniform, so a fast
+    /// block → (replica, its node there). Block hashes are already uniform, so a fast
     /// non-cryptographic hasher is enough (foldhash, seeded per process).
     holders: HashMap<BlockHash, Holders, RandomState>,
     replicas: HashMap<BackendId, ReplicaLru>,
-    tick: u64,
 }
 
 impl PrefixIndex {
@@ -92,29 +198,20 @@ impl PrefixIndex {
         }
         // The first block is touched last, so the prompt's tail is evicted before its head.
         for &h in blocks.iter().rev() {
-            self.tick += 1;
-            let tick = self.tick;
             let entry = self.holders.entry(h).or_default();
-            match entry.iter_mut().find(|(r, _)| *r == replica) {
-                Some((_, t)) => *t = tick,
-                None => {
-                    entry.push((replica, tick));
-                    lru.live += 1;
-                }
+            match entry.iter().find(|(r, _)| *r == replica) {
+                Some(&(_, node)) => lru.touch(node),
+                None => entry.push((replica, lru.push_back(h))),
             }
-            lru.queue.push_back((tick, h));
         }
         self.evict(replica);
-        self.compact(replica);
     }
 
     /// Forgets everything about a replica (it left the fleet or lost its cache).
     pub fn remove_replica(&mut self, replica: BackendId) {
         if let Some(lru) = self.replicas.remove(&replica) {
-            for &(tick, h) in &lru.queue {
-                if self.tick_of(h, replica) == Some(tick) {
-                    self.drop_holder(h, replica);
-                }
+            for h in lru.blocks() {
+                self.drop_holder(h, replica);
             }
         }
     }
@@ -129,54 +226,21 @@ impl PrefixIndex {
         self.holders.is_empty()
     }
 
-    /// The tick of `h`'s last use on `replica`, if the replica holds it.
-    fn tick_of(&self, h: BlockHash, replica: BackendId) -> Option<u64> {
-        self.holders
-            .get(&h)?
-            .iter()
-            .find(|(r, _)| *r == replica)
-            .map(|&(_, t)| t)
-    }
-
     fn evict(&mut self, replica: BackendId) {
         let Some(lru) = self.replicas.get_mut(&replica) else {
             return;
         };
-        let Some(capacity) = lru.capacity else {
-            return;
-        };
-        while lru.live > capacity {
-            let Some((tick, h)) = lru.queue.pop_front() else {
+        while lru.capacity.is_some_and(|c| lru.live > c) {
+            let Some(h) = lru.pop_front() else {
                 break;
             };
-            let Some(entry) = self.holders.get_mut(&h) else {
-                continue;
-            };
-            // A stale entry: the block was touched again later (or already evicted).
-            let Some(at) = entry.iter().position(|&(r, t)| r == replica && t == tick) else {
-                continue;
-            };
-            entry.swap_remove(at);
-            if entry.is_empty() {
-                self.holders.remove(&h);
+            if let Some(entry) = self.holders.get_mut(&h) {
+                entry.retain(|(r, _)| *r != replica);
+                if entry.is_empty() {
+                    self.holders.remove(&h);
+                }
             }
-            lru.live -= 1;
         }
-    }
-
-    /// Drops a replica's stale queue entries once they outnumber its live ones, so the queue stays
-    /// within twice the blocks held (each compaction pays for the pushes that made it necessary).
-    fn compact(&mut self, replica: BackendId) {
-        let Some(lru) = self.replicas.get(&replica) else {
-            return;
-        };
-        if lru.queue.len() <= 2 * lru.live + 64 {
-            return;
-        }
-        let mut queue =
-            std::mem::take(&mut self.replicas.get_mut(&replica).expect("present").queue);
-        queue.retain(|&(tick, h)| self.tick_of(h, replica) == Some(tick));
-        self.replicas.get_mut(&replica).expect("present").queue = queue;
     }
 
     fn drop_holder(&mut self, h: BlockHash, replica: BackendId) {
@@ -260,9 +324,10 @@ mod tests {
         use std::collections::VecDeque;
         let mut ix = PrefixIndex::new();
         let mut naive: Vec<VecDeque<u64>> = vec![VecDeque::new(); 3];
-        let cap = 20;
+        // None: capacity unknown, nothing evicted (as after a replica is forgotten and relearnt).
+        let mut caps: Vec<Option<usize>> = vec![Some(20); 3];
         for r in 0..3 {
-            ix.set_capacity(r, cap);
+            ix.set_capacity(r, 20);
         }
         let mut x = 12345u64;
         let mut next = || {
@@ -271,24 +336,46 @@ mod tests {
             x ^= x << 17;
             x
         };
-        for _ in 0..2000 {
+        let trim = |q: &mut VecDeque<u64>, cap: Option<usize>| {
+            while cap.is_some_and(|c| q.len() > c) {
+                q.pop_front();
+            }
+        };
+        for _ in 0..5000 {
             let r = (next() % 3) as usize;
+            match next() % 100 {
+                // The replica's capacity changes (0 included: it holds nothing).
+                0..=1 => {
+                    let cap = (next() % 30) as usize;
+                    ix.set_capacity(r, cap);
+                    caps[r] = Some(cap);
+                    trim(&mut naive[r], caps[r]);
+                }
+                2 => {
+                    ix.remove_replica(r);
+                    naive[r].clear();
+                    caps[r] = None;
+                }
+                _ => {}
+            }
             let len = 1 + (next() % 6) as usize;
-            let blocks: Vec<u64> = (0..len).map(|_| next() % 12).collect();
+            let blocks: Vec<u64> = (0..len).map(|_| next() % 40).collect();
             let depths = ix.overlaps(&blocks);
             for (rep, d) in depths {
                 let expect = blocks.iter().take_while(|b| naive[rep].contains(b)).count();
                 assert_eq!(d, expect);
             }
             ix.record(r, &blocks);
-            for &b in blocks.iter().rev() {
-                naive[r].retain(|&y| y != b);
-                naive[r].push_back(b);
+            if caps[r] != Some(0) {
+                for &b in blocks.iter().rev() {
+                    naive[r].retain(|&y| y != b);
+                    naive[r].push_back(b);
+                }
             }
-            while naive[r].len() > cap {
-                naive[r].pop_front();
+            trim(&mut naive[r], caps[r]);
+            for (rep, q) in naive.iter().enumerate() {
+                assert_eq!(ix.len(rep), q.len());
             }
-            assert_eq!(ix.len(r), naive[r].len());
         }
     }
 }

@@ -497,7 +497,7 @@ impl Metrics {
             inspect_seconds: HistogramVec::new(
                 HistogramOpts::new(
                     "headroom_inspect_seconds",
-                    "Time spent inspecting a generation request's body (parse, render, tokenize, hash), by where it ran: worker, or blocking_pool for large bodies.",
+                    "Time to inspect a generation request's body (parse, render, tokenize, hash), by where it ran: worker, or blocking_pool for large bodies (including the wait for a slot there).",
                 )
                 .buckets(vec![
                     1e-5, 2e-5, 5e-5, 1e-4, 2e-4, 5e-4, 1e-3, 2e-3, 5e-3, 1e-2, 5e-2,
