@@ -96,7 +96,11 @@ impl ServeArgs {
         }
         cfg.validated().map_err(|errors| {
             let list: Vec<String> = errors.iter().map(|e| format!("  - {e}")).collect();
-            anyhow::anyhow!("invalid serve settings:\n{}", list.join("\n"))
+            let origin = match &self.config {
+                Some(path) => format!(" ({} and the flags given)", path.display()),
+                None => String::new(),
+            };
+            anyhow::anyhow!("invalid serve settings{origin}:\n{}", list.join("\n"))
         })
     }
 }

@@ -292,6 +292,25 @@ fn a_config_file_may_leave_the_backends_to_the_flag_and_errors_print_once() {
         "{stderr}"
     );
 
+    // With --backends the file is checked after the flags are in, and still named.
+    let bad_listen = dir.join("bad-listen.toml");
+    std::fs::write(&bad_listen, "listen = \"nowhere\"\n").unwrap();
+    let out = headroom(&[
+        "serve",
+        "--check",
+        "--config",
+        bad_listen.to_str().unwrap(),
+        "--backends",
+        "http://a:1",
+    ]);
+    assert!(!out.status.success());
+    let stderr = String::from_utf8_lossy(&out.stderr);
+    assert!(stderr.contains("listen = nowhere"), "{stderr}");
+    assert!(
+        stderr.contains("bad-listen.toml and the flags given"),
+        "{stderr}"
+    );
+
     // A TOML error carries its line and column, and is printed once, not once more as its cause.
     let bad = dir.join("bad.toml");
     std::fs::write(&bad, "listen = 5\n").unwrap();
