@@ -83,11 +83,26 @@ async fn the_proxy_and_the_client_agree_on_every_request() {
     let window = &stats["windows"]["1m"][0];
     assert_eq!(window["requests"], 60);
     assert_eq!(window["good"], 60);
-    for (q, key) in [(50.0, "p50"), (99.0, "p99")] {
-        let c = percentile(&mut itl_client, q);
-        let x = window["latency"]["itl_ms"][key].as_f64().unwrap();
-        assert!((c - x).abs() <= 0.03 * c, "ITL {key}: client {c} proxy {x}");
-    }
+    let itl = |key: &str| window["latency"]["itl_ms"][key].as_f64().unwrap();
+    let c = percentile(&mut itl_client, 50.0);
+    assert!(
+        (c - itl("p50")).abs() <= 0.03 * c,
+        "ITL p50: client {c} proxy {}",
+        itl("p50")
+    );
+    // The pooled ITL's p99 sits where the gaps thin out (decode steps below it, prefill stalls
+    // above), so a few samples on either side move its value by more than 3% from run to run
+    // (docs/benchmarks.md, "it sits on a cliff"); the proxy's p99 must fall where the client's
+    // p98–p99.9 fall, with 3% for the proxy's 2-significant-digit histogram buckets.
+    let (lo, hi) = (
+        percentile(&mut itl_client, 98.0),
+        percentile(&mut itl_client, 99.9),
+    );
+    let x = itl("p99");
+    assert!(
+        x >= 0.97 * lo && x <= 1.03 * hi,
+        "ITL p99: proxy {x}, client p98 {lo} and p99.9 {hi}"
+    );
     assert!(stats["backends"][0]["engine"]["kv_cache_usage"].is_number());
     p.shutdown().await;
     r.shutdown().await.unwrap();
