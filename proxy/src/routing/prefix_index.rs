@@ -73,7 +73,7 @@ impl ReplicaLru {
     fn push_back(&mut self, block: BlockHash) -> u32 {
         let node = Node {
             block,
-            prev: self.tail,
+            prev: NIL,
             next: NIL,
         };
         let i = match self.free.pop() {
@@ -86,13 +86,21 @@ impl ReplicaLru {
                 u32::try_from(self.nodes.len() - 1).expect("fewer than 2^32 blocks per replica")
             }
         };
+        self.link_back(i);
+        self.live += 1;
+        i
+    }
+
+    /// Links the unlinked node `i` in as the most recent.
+    fn link_back(&mut self, i: u32) {
+        let node = &mut self.nodes[i as usize];
+        node.prev = self.tail;
+        node.next = NIL;
         match self.tail {
             NIL => self.head = i,
             t => self.nodes[t as usize].next = i,
         }
         self.tail = i;
-        self.live += 1;
-        i
     }
 
     fn unlink(&mut self, i: u32) {
@@ -113,14 +121,7 @@ impl ReplicaLru {
             return;
         }
         self.unlink(i);
-        let node = &mut self.nodes[i as usize];
-        node.prev = self.tail;
-        node.next = NIL;
-        match self.tail {
-            NIL => self.head = i,
-            t => self.nodes[t as usize].next = i,
-        }
-        self.tail = i;
+        self.link_back(i);
     }
 
     /// Removes and returns the oldest block.
@@ -211,7 +212,7 @@ impl PrefixIndex {
     pub fn remove_replica(&mut self, replica: BackendId) {
         if let Some(lru) = self.replicas.remove(&replica) {
             for h in lru.blocks() {
-                self.drop_holder(h, replica);
+                drop_holder(&mut self.holders, h, replica);
             }
         }
     }
@@ -234,21 +235,22 @@ impl PrefixIndex {
             let Some(h) = lru.pop_front() else {
                 break;
             };
-            if let Some(entry) = self.holders.get_mut(&h) {
-                entry.retain(|(r, _)| *r != replica);
-                if entry.is_empty() {
-                    self.holders.remove(&h);
-                }
-            }
+            drop_holder(&mut self.holders, h, replica);
         }
     }
+}
 
-    fn drop_holder(&mut self, h: BlockHash, replica: BackendId) {
-        if let Some(entry) = self.holders.get_mut(&h) {
-            entry.retain(|(r, _)| *r != replica);
-            if entry.is_empty() {
-                self.holders.remove(&h);
-            }
+/// Removes `replica` from the holders of `h` (a free function, so that eviction can call it while
+/// it holds the replica's list).
+fn drop_holder(
+    holders: &mut HashMap<BlockHash, Holders, RandomState>,
+    h: BlockHash,
+    replica: BackendId,
+) {
+    if let Some(entry) = holders.get_mut(&h) {
+        entry.retain(|(r, _)| *r != replica);
+        if entry.is_empty() {
+            holders.remove(&h);
         }
     }
 }

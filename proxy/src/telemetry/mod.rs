@@ -93,8 +93,8 @@ pub struct Metrics {
     admission: AdmissionGauges,
     /// Time spent routing (inspection excluded).
     pub route_seconds: Histogram,
-    /// Time spent inspecting a generation request's body (parse, render, tokenize, hash), by
-    /// where it ran (`worker`, or `blocking_pool` for large bodies).
+    /// Time to inspect a generation request's body (parse, render, tokenize, hash), by where it
+    /// ran (`worker`, or `blocking_pool` for large bodies, including the wait for a slot there).
     pub inspect_seconds: HistogramVec,
     /// Responses cut by the replica or an idle timeout after they started, by backend.
     pub upstream_cut: IntCounterVec,
