@@ -134,21 +134,53 @@ fn has_choices(v: &Value) -> bool {
         .is_some_and(|c| !c.is_empty())
 }
 
-/// How long before an instant [`wait_until`] stops sleeping on the runtime's timer (which rounds
-/// to milliseconds) and starts yielding, so that the task is awake when the instant comes.
-const SPIN_BEFORE: Duration = Duration::from_millis(3);
+/// The instant a scheduled request may go, and the signal that it has come. The replay's dispatcher
+/// thread sleeps to each instant on the OS's timer (tens of microseconds; the runtime's timer rounds
+/// to milliseconds) and fires the [`Trigger`]; the request's task waits asleep, not spinning, so a
+/// load generator sharing a core with what it measures does not take it from the target.
+#[derive(Debug)]
+pub struct Release {
+    at: Instant,
+    go: tokio::sync::oneshot::Receiver<()>,
+}
 
-/// Waits until `when`: on the runtime's timer until shortly before, then yielding to the other
-/// tasks until the exact instant.
-pub async fn wait_until(when: Instant) {
-    if let Some(coarse) = when
-        .checked_sub(SPIN_BEFORE)
-        .filter(|c| *c > Instant::now())
-    {
-        tokio::time::sleep_until(coarse.into()).await;
+/// Fires a [`Release`].
+#[derive(Debug)]
+pub struct Trigger {
+    at: Instant,
+    go: tokio::sync::oneshot::Sender<()>,
+}
+
+impl Release {
+    /// A release at `at` and its trigger.
+    pub fn new(at: Instant) -> (Release, Trigger) {
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        (Release { at, go: rx }, Trigger { at, go: tx })
     }
-    while Instant::now() < when {
-        tokio::task::yield_now().await;
+
+    /// The planned instant.
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+
+    /// Waits for the trigger; should it be dropped unfired, waits for the instant on the
+    /// runtime's timer instead.
+    pub async fn wait(self) {
+        if self.go.await.is_err() {
+            tokio::time::sleep_until(self.at.into()).await;
+        }
+    }
+}
+
+impl Trigger {
+    /// The instant it is for.
+    pub fn at(&self) -> Instant {
+        self.at
+    }
+
+    /// Lets the request go (a request that ended already is not waiting).
+    pub fn fire(self) {
+        let _ = self.go.send(());
     }
 }
 
@@ -164,35 +196,35 @@ pub async fn send_streaming_with(
 }
 
 /// Sends a prestaged request: the headers and the body up to its last byte go now, the last byte
-/// at `complete_at` (or as soon after as the connection takes it), so that the server holds the
-/// complete request at its time however many large requests are due at once. Returns the timing,
-/// measured from the moment the last byte was handed to the connection, and that moment (for a
-/// request that ended before, e.g. refused on its headers, its planned instant).
+/// when `release` comes (or as soon after as the connection takes it), so that the server holds
+/// the complete request at its time however many large requests are due at once. Returns the
+/// timing, measured from the moment the last byte was handed to the connection, and that moment
+/// (for a request that ended before, e.g. refused on its headers, its planned instant).
 pub async fn send_streaming_at(
     client: &reqwest::Client,
     url: &str,
     body: bytes::Bytes,
     headers: &[(&str, &str)],
-    complete_at: Instant,
+    release: Release,
 ) -> (Timing, Instant) {
-    send_timed(client, url, body, headers, Some(complete_at)).await
+    send_timed(client, url, body, headers, Some(release)).await
 }
 
-/// The request body: whole, or (prestaged) all but its last byte at once and that byte at an
-/// instant, recording when it was handed over.
+/// The request body: whole, or (prestaged) all but its last byte at once and that byte at its
+/// release, recording when it was handed over.
 fn request_body(
     body: bytes::Bytes,
-    complete_at: Option<Instant>,
+    release: Option<Release>,
     completed: &Arc<OnceLock<Instant>>,
 ) -> reqwest::Body {
-    let Some(at) = complete_at else {
+    let Some(release) = release else {
         return reqwest::Body::from(body);
     };
     let head = body.slice(..body.len() - 1);
     let last = body.slice(body.len() - 1..);
     let completed = completed.clone();
     let tail = futures_util::stream::once(async move {
-        wait_until(at).await;
+        release.wait().await;
         let _ = completed.set(Instant::now());
         Ok::<_, std::convert::Infallible>(last)
     });
@@ -206,23 +238,24 @@ async fn send_timed(
     url: &str,
     body: bytes::Bytes,
     headers: &[(&str, &str)],
-    complete_at: Option<Instant>,
+    release: Option<Release>,
 ) -> (Timing, Instant) {
+    let planned = release.as_ref().map(Release::at);
     // An empty body has no last byte to hold back: it waits for its time and goes whole.
-    let complete_at = match complete_at {
-        Some(at) if body.is_empty() => {
-            wait_until(at).await;
+    let release = match release {
+        Some(r) if body.is_empty() => {
+            r.wait().await;
             None
         }
         other => other,
     };
     let attempt = Instant::now();
     let completed = Arc::new(OnceLock::new());
-    let t = exchange(client, url, body, headers, complete_at, attempt, &completed).await;
+    let t = exchange(client, url, body, headers, release, attempt, &completed).await;
     let sent = completed
         .get()
         .copied()
-        .unwrap_or_else(|| complete_at.map_or(attempt, |at| at.max(attempt)));
+        .unwrap_or_else(|| planned.map_or(attempt, |at| at.max(attempt)));
     (t, sent)
 }
 
@@ -231,7 +264,7 @@ async fn exchange(
     url: &str,
     body: bytes::Bytes,
     headers: &[(&str, &str)],
-    complete_at: Option<Instant>,
+    release: Option<Release>,
     attempt: Instant,
     completed: &Arc<OnceLock<Instant>>,
 ) -> Timing {
@@ -244,7 +277,7 @@ async fn exchange(
         .post(url)
         .header(reqwest::header::CONTENT_TYPE, "application/json")
         .header(reqwest::header::CONTENT_LENGTH, body.len())
-        .body(request_body(body, complete_at, completed));
+        .body(request_body(body, release, completed));
     for (k, v) in headers {
         req = req.header(*k, *v);
     }
@@ -405,6 +438,32 @@ mod tests {
         assert_eq!(t.completion_tokens, 1);
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_release_waits_for_its_trigger_or_without_one_for_its_instant() {
+        let at = tokio::time::Instant::now() + Duration::from_secs(5);
+        // Fired early: it goes at the trigger, not at the instant.
+        let (release, trigger) = Release::new(at.into_std());
+        trigger.fire();
+        release.wait().await;
+        assert!(tokio::time::Instant::now() < at);
+        // Its trigger alive: it waits for the trigger, however long after the instant.
+        let (release, trigger) = Release::new(at.into_std());
+        let waiting = tokio::spawn(release.wait());
+        tokio::time::sleep(Duration::from_secs(10)).await;
+        assert!(
+            !waiting.is_finished(),
+            "went at its instant, not at its trigger"
+        );
+        trigger.fire();
+        waiting.await.unwrap();
+        // Its trigger dropped unfired: it still waits for the instant.
+        let at = tokio::time::Instant::now() + Duration::from_secs(5);
+        let (release, trigger) = Release::new(at.into_std());
+        drop(trigger);
+        release.wait().await;
+        assert!(tokio::time::Instant::now() >= at);
+    }
+
     /// Reads from `conn` into `got` until the body after the head holds `want` bytes; returns the
     /// head's length.
     async fn read_until_body(
@@ -451,7 +510,13 @@ mod tests {
             (head, got[head_len..].to_vec(), head_at, last_at)
         });
         let client = reqwest::Client::new();
-        let (t, sent) = send_streaming_at(&client, &url, body.clone(), &[], complete_at).await;
+        let (release, trigger) = Release::new(complete_at);
+        let fire = std::thread::spawn(move || {
+            std::thread::sleep(trigger.at().saturating_duration_since(Instant::now()));
+            trigger.fire();
+        });
+        let (t, sent) = send_streaming_at(&client, &url, body.clone(), &[], release).await;
+        fire.join().unwrap();
         let (head, received, head_at, last_at) = server.await.unwrap();
         assert!(t.ok(), "{:?}", t.failure);
         assert_eq!(received, body, "the body arrives whole");

@@ -1,10 +1,11 @@
 //! Trace replay: turns trace records into requests and sends them open-loop (at the trace's own
 //! timestamps, or at a Poisson/gamma rate) or closed-loop (fixed concurrency).
 //!
-//! Open-loop sends are released by a dedicated OS thread that sleeps until each request's time and
-//! hands it to the async runtime: a late response never delays a later send (no coordinated
-//! omission), and a thread's sleep is accurate to tens of microseconds where the async timer
-//! rounds to milliseconds. Each request's actual send time is recorded beside its schedule.
+//! Open-loop sends are released by a dedicated OS thread that hands each request to the async
+//! runtime shortly before its time and sleeps until the time itself to let it go: a late response
+//! never delays a later send (no coordinated omission), a thread's sleep is accurate to tens of
+//! microseconds where the async timer rounds to milliseconds, and no task spins while it waits.
+//! Each request's actual send time is recorded beside its schedule.
 //!
 //! | arrivals | gap before request k |
 //! |---|---|
@@ -12,6 +13,7 @@
 //! | rate R, burstiness b | Gamma(shape b, scale 1/(R·b)); b = 1 is Poisson (vLLM bench's definition) |
 //! | concurrency N | none: N clients, each sending when its last request ended |
 
+use std::collections::VecDeque;
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
@@ -22,7 +24,7 @@ use rand::rngs::StdRng;
 use rand_distr::{Distribution, Gamma};
 use serde_json::{Value, json};
 
-use crate::client::{Failure, Timing, send_streaming_at, send_streaming_with, wait_until};
+use crate::client::{Failure, Release, Timing, Trigger, send_streaming_at, send_streaming_with};
 use crate::synth::{Endpoint, prompt_for};
 
 /// How requests arrive.
@@ -65,8 +67,8 @@ pub struct ReplayOptions {
     /// Mixed into every prompt's text: a fresh salt per run keeps a run from hitting the cache an
     /// earlier run warmed (the contract records it, so a run can be repeated exactly).
     pub prompt_salt: u64,
-    /// Send times, one per record, when the caller planned them (a shard of a larger plan); None:
-    /// planned here from `arrivals`.
+    /// Send times, one per record, in time order, when the caller planned them (a shard of a
+    /// larger plan); None: planned here from `arrivals`.
     pub plan: Option<Vec<Duration>>,
     /// Row of the whole trace each record is (a shard's rows); None: record i is row i.
     pub rows: Option<Vec<usize>>,
@@ -179,15 +181,15 @@ pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Opti
 const LOOKAHEAD: usize = 256;
 /// The body builder keeps off the core from this long before a send is due ...
 const BUILDER_QUIET_BEFORE: Duration = Duration::from_millis(20);
-/// ... until this long after it: even in the idle scheduling class, a slice the builder is given
-/// while the sends of a burst wait to go out delays them by milliseconds.
+/// ... until this long after it: a slice the builder is given while the sends of a burst wait to
+/// go out delays them by milliseconds.
 const BUILDER_QUIET_AFTER: Duration = Duration::from_millis(3);
 /// How long after the last send's time the dispatcher thread stays (asleep) before it exits.
 const DISPATCHER_LINGER: Duration = Duration::from_millis(20);
 /// The builder only keeps off while at least this many bodies are ready.
 const BUILDER_MIN_AHEAD: usize = 32;
-/// How long before its time a request is handed to the runtime (waking a parked worker can take
-/// milliseconds on a busy machine).
+/// How long before its time a request is handed to the runtime: a prestaged one sends its head
+/// meanwhile; each then waits, asleep, for the dispatcher to let it go at its time.
 const EARLY_RELEASE: Duration = Duration::from_millis(10);
 
 struct Shared {
@@ -206,19 +208,23 @@ fn body_bytes(shared: &Shared, index: usize) -> bytes::Bytes {
     )
 }
 
-/// Sends request `index` with its prepared body at its scheduled time (waiting until then, for at
-/// most [`EARLY_RELEASE`]; prestaged, the body's last byte waits); the send time is taken just
-/// before the POST (prestaged: when the last byte went).
+/// Sends request `index` with its prepared body when its release comes (open loop; prestaged, the
+/// body's last byte waits for it) or at once (closed loop); the send time is taken just before the
+/// POST (prestaged: when the last byte went).
 async fn send_one(
     shared: Arc<Shared>,
     index: usize,
     scheduled: Option<Duration>,
+    release: Option<Release>,
     body: bytes::Bytes,
 ) -> RequestResult {
     let when = scheduled.map(|at| shared.start + at);
-    let prestage_at = when.filter(|_| shared.opts.prestage);
-    if let (Some(when), None) = (when, prestage_at) {
-        wait_until(when).await;
+    let (release, prestaged) = match release {
+        Some(r) if shared.opts.prestage => (None, Some(r)),
+        other => (other, None),
+    };
+    if let Some(release) = release {
+        release.wait().await;
     }
     let record = &shared.records[index];
     let row = shared.opts.rows.as_ref().map_or(index, |rows| rows[index]);
@@ -228,8 +234,8 @@ async fn send_one(
     shared.counters.sent.fetch_add(1, Ordering::Relaxed);
     let headers = request_headers(&shared.opts, &request_id);
     let exchange = async {
-        match prestage_at {
-            Some(at) => send_streaming_at(&shared.client, url, body, &headers, at).await,
+        match prestaged {
+            Some(release) => send_streaming_at(&shared.client, url, body, &headers, release).await,
             None => (
                 send_streaming_with(&shared.client, url, body, &headers).await,
                 started,
@@ -337,7 +343,8 @@ async fn open_loop(
             .spawn(move || {
                 // Bodies are built up to LOOKAHEAD ahead, so the builder can wait: it must not
                 // take the core from the sends of a burst (each send frees a place it refills).
-                headroom_workload::realtime::lower_current_thread();
+                // It keeps off by sleeping, in the normal scheduling class: in the idle class it
+                // starved on a saturated core, the dispatcher ran dry and every send went late.
                 for (index, &at) in offsets.iter().enumerate() {
                     if deadline.is_some_and(|d| shared.start + at > d) {
                         break;
@@ -360,26 +367,7 @@ async fn open_loop(
             .spawn(move || {
                 // Refused without privileges; the send lateness in the summary shows the cost.
                 headroom_workload::realtime::raise_current_thread();
-                let mut last_due = None;
-                while let Ok((index, at, body)) = ready_rx.recv() {
-                    last_due = Some(shared.start + at);
-                    // Released a little early: waking a parked runtime worker can take longer than
-                    // the tolerance, so the task itself waits out the last stretch (send_one).
-                    let when = (shared.start + at)
-                        .checked_sub(EARLY_RELEASE)
-                        .unwrap_or(shared.start);
-                    sleep_until(when);
-                    let task = runtime.spawn(send_one(shared.clone(), index, Some(at), body));
-                    released.store(index + 1, Ordering::Release);
-                    if tx.send(task).is_err() {
-                        break;
-                    }
-                }
-                // This thread's exit (at real-time priority) and the collector it wakes must not
-                // take the core while the last burst's sends wait to go out.
-                if let Some(due) = last_due {
-                    sleep_until(due + DISPATCHER_LINGER);
-                }
+                dispatch(&shared, &runtime, &ready_rx, &released, &tx);
             })
             .expect("spawning the replay dispatcher")
     };
@@ -396,6 +384,83 @@ async fn open_loop(
         }
     }
     out
+}
+
+/// The dispatcher thread's loop: hands each prepared request to the runtime [`EARLY_RELEASE`]
+/// before its time, then fires its release at the time itself, sleeping in between; the two
+/// interleave, since a request is handed over while earlier ones still wait for their time.
+fn dispatch(
+    shared: &Arc<Shared>,
+    runtime: &tokio::runtime::Handle,
+    ready: &std::sync::mpsc::Receiver<(usize, Duration, bytes::Bytes)>,
+    released: &AtomicUsize,
+    tasks: &tokio::sync::mpsc::UnboundedSender<tokio::task::JoinHandle<RequestResult>>,
+) {
+    use std::sync::mpsc::RecvTimeoutError;
+    // Handed over, not yet let go; in time order, as the plan is.
+    let mut waiting: VecDeque<Trigger> = VecDeque::new();
+    let mut next = None;
+    let mut more = true;
+    let mut last_due = None;
+    loop {
+        if next.is_none() && more {
+            // Waiting for the builder must not hold back a release that falls due meanwhile.
+            let got = match waiting.front() {
+                None => ready.recv().map_err(|_| RecvTimeoutError::Disconnected),
+                Some(t) => ready.recv_timeout(t.at().saturating_duration_since(Instant::now())),
+            };
+            match got {
+                Ok(item) => next = Some(item),
+                Err(RecvTimeoutError::Disconnected) => more = false,
+                Err(RecvTimeoutError::Timeout) => {}
+            }
+        }
+        let hand_over_at = next.as_ref().map(|(_, at, _)| {
+            (shared.start + *at)
+                .checked_sub(EARLY_RELEASE)
+                .unwrap_or(shared.start)
+        });
+        let Some(first) = hand_over_at
+            .into_iter()
+            .chain(waiting.front().map(Trigger::at))
+            .min()
+        else {
+            if more {
+                continue;
+            }
+            break;
+        };
+        sleep_until(first);
+        let now = Instant::now();
+        while waiting.front().is_some_and(|t| t.at() <= now) {
+            if let Some(t) = waiting.pop_front() {
+                t.fire();
+            }
+        }
+        if let Some((index, at, body)) = next.take_if(|_| hand_over_at.is_some_and(|h| h <= now)) {
+            let (release, trigger) = Release::new(shared.start + at);
+            let task = runtime.spawn(send_one(
+                shared.clone(),
+                index,
+                Some(at),
+                Some(release),
+                body,
+            ));
+            released.store(index + 1, Ordering::Release);
+            // Plans are in time order, so this is the back; a plan that is not still fires in order.
+            let place = waiting.partition_point(|t| t.at() <= trigger.at());
+            waiting.insert(place, trigger);
+            last_due = Some(shared.start + at);
+            if tasks.send(task).is_err() {
+                break;
+            }
+        }
+    }
+    // This thread's exit (at real-time priority) and the collector it wakes must not take the
+    // core while the last burst's sends wait to go out.
+    if let Some(due) = last_due {
+        sleep_until(due + DISPATCHER_LINGER);
+    }
 }
 
 /// Sleeps the current thread until `t` (not at all when it has passed).
@@ -466,7 +531,7 @@ async fn closed_loop(
                     break;
                 }
                 let body = body_bytes(&shared, index);
-                out.push(send_one(shared.clone(), index, None, body).await);
+                out.push(send_one(shared.clone(), index, None, None, body).await);
             }
             out
         }));

@@ -221,9 +221,13 @@ async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
         .await
         .unwrap();
         let doc = read(&out.join("result.json"));
-        let t: Vec<f64> = doc["requests"]
-            .as_array()
-            .unwrap()
+        let requests = doc["requests"].as_array().unwrap();
+        // The dispatcher lets no request go before its time.
+        for r in requests {
+            let (scheduled, sent) = (r["scheduled_ms"].as_f64(), r["sent_ms"].as_f64());
+            assert!(sent >= scheduled, "sent before its time: {r}");
+        }
+        let t: Vec<f64> = requests
             .iter()
             .map(|r| r["scheduled_ms"].as_f64().unwrap())
             .collect();
