@@ -11,6 +11,8 @@
 #
 #   ROWS=1000 TIME_SCALE=1 scripts/bench-kv-events.sh       # ~6 minutes per run, 8 runs
 #   PROXY_COUNTS= POLICIES="prefix_affinity kv_events" ...   # one proxy only
+#   ENTRY=first ...   # several proxies running, every request through the first (a control: the
+#                     # others' processes and event streams without their share of the traffic)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${ROWS:-1000}
@@ -24,6 +26,8 @@ SLO=${SLO:-ttft=2000,tpot=50}
 # How much of each prompt the proxies hash (routing.max_hashed_tokens): the whole of the trace's
 # longest prompts (120k tokens), so a long conversation's cached prefix is seen past the 32k default.
 MAX_HASHED=${MAX_HASHED:-131072}
+ENTRY=${ENTRY:-all}
+case $ENTRY in all | first) ;; *) echo "ENTRY must be all or first, got $ENTRY" >&2; exit 2 ;; esac
 # Replica i publishes on EVENTS_PORT + i and answers replays on REPLAY_PORT + i.
 EVENTS_PORT=${EVENTS_PORT:-25557}
 REPLAY_PORT=${REPLAY_PORT:-25657}
@@ -97,9 +101,12 @@ run() {
   fi
   for k in $(seq "$n"); do curl -sf "${admins[$((k - 1))]}/metrics" >"$dir/proxy-$k-metrics-before.txt"; done
   preemptions >"$dir/preemptions-before.txt"
-  echo "== $policy × $n proxies" >&2
-  $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$(IFS=,; echo "${proxies[*]}")" --observe "$urls" \
-    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy)" \
+  echo "== $policy × $n proxies (requests through: $ENTRY)" >&2
+  local targets
+  targets=$(IFS=,; echo "${proxies[*]}")
+  if [ "$ENTRY" = first ]; then targets=${proxies[0]}; fi
+  $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$targets" --observe "$urls" \
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy; requests through $ENTRY)" \
     --out "$dir" >"$dir/replay.txt"
   preemptions >"$dir/preemptions-after.txt"
   for k in $(seq "$n"); do
