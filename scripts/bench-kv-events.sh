@@ -121,9 +121,9 @@ for n in $PROXY_COUNTS; do
   for policy in $MULTI_POLICIES; do run "$policy" "$n"; done
 done
 
-python3 - "$OUT" "$working_set" "$blocks" <<'PY'
+python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" <<'PY'
 import glob, json, os, re, sys
-out, working_set, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+out, working_set, blocks, entry = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
 def run_dirs():
     dirs = [d for d in glob.glob(f"{out}/*-x*") if os.path.exists(f"{d}/result.json")]
     return sorted(dirs, key=lambda d: (int(d.rsplit("-x", 1)[1]), os.path.getmtime(d)))
@@ -160,6 +160,7 @@ for d in run_dirs():
 contract = json.load(open(f"{run_dirs()[0]}/result.json"))["contract"]
 lines = [
     f"trace: {contract['trace']['path']} (sha256 {contract['trace']['sha256'][:16]}…), {contract['trace']['requests']} requests, time scale {contract['load'].get('time_scale')}",
+    "requests through: " + ("every proxy in turn" if entry == "all" else "the first proxy only (ENTRY=first: the others route nothing)"),
     f"prefix working set (blocks used by more than one request): {working_set:,} tokens; KV per replica {(blocks - 1) * 16:,} tokens, fleet {(blocks - 1) * 64:,} ({100 * (blocks - 1) * 64 / working_set:.0f}% of the working set)",
     "",
     "| policy | proxies | hit rate | of ideal | vs 1 proxy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p99 ms | output tok/s | goodput req/s | preemptions | imbalance | event streams | failed |",

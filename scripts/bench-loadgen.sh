@@ -3,8 +3,7 @@
 # RATE req/s, seed 7, 64-token prompts, TOKENS-token streams) straight to one simulated replica
 # with a fixed per-request clock (first token TTFT_MS after arrival, then one every ITL_MS), with
 # the replica and the load generator sharing the load cores as they do in bench-overhead.sh. Per
-# build and round: the load generator's CPU (user + system) per request and per chunk and as a share
-# of a core, the replica's CPU beside it, how late sends went out against their schedule, and the
+# build and round: the load generator's CPU (user + system) per chunk and as a share of a core, the replica's CPU beside it, how late sends went out against their schedule, and the
 # TTFT / ITL it measured. A load generator that takes its core from the replica beside it, or sends
 # late, measures itself; this says how far from that a rate is. Loopback only; bounded by DURATION.
 #
@@ -40,6 +39,7 @@ PY
 
 source scripts/bench-common.sh
 
+: >"$OUT/sim.url"
 "${load_on[@]}" $bin sim --port 0 --latency-model fixed --time-to-first-token "$TTFT_MS" \
   --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
   >"$OUT/sim.url" 2>"$OUT/sim.log" &
@@ -57,17 +57,21 @@ for round in $(seq "$ROUNDS"); do
     replay=$bin
     [ "$build" = b ] && replay=$REPLAY_B
     dir="$OUT/$build-$round"
+    rm -rf "$dir"
     mkdir -p "$dir"
     echo "== round $round: build $build ($replay)" >&2
     sim_before=$(ticks "$sim_pid")
     start=$(date +%s.%N)
-    # The subshell's `times` reports its children's CPU: the load generator's, all its threads.
+    # The subshell's `times` reports its children's CPU: the load generator's, all its threads (in
+    # the C locale, whose decimal point the summary parses).
     (
+      export LC_ALL=C
       "${load_on[@]}" "$replay" replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" \
         --target "$sim" --seed 7 --hardware "headroom sim, fixed ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; load generator build $build" \
-        --out "$dir" >"$dir.txt" 2>"$dir.log" || true
+        --out "$dir" >"$dir.txt" 2>"$dir.log" || echo "the replay exited with $? (see $dir.log)" >&2
       times >"$dir/times"
     )
+    [ -f "$dir/result.json" ] || { echo "no result from build $build, round $round: see $dir.log" >&2; exit 1; }
     echo "$(( $(ticks "$sim_pid") - sim_before ))" >"$dir/sim_ticks"
     echo "$start $(date +%s.%N)" >"$dir/wall"
   done

@@ -333,7 +333,7 @@ async fn open_loop(
     // released on time; the dispatcher thread only sleeps and releases.
     let (ready_tx, ready_rx) =
         std::sync::mpsc::sync_channel::<(usize, Duration, bytes::Bytes)>(LOOKAHEAD);
-    // The index of the next request the dispatcher will release.
+    // The index of the next request the dispatcher will hand over.
     let released = Arc::new(AtomicUsize::new(0));
     let builder = {
         let shared = shared.clone();
@@ -344,7 +344,7 @@ async fn open_loop(
                 // Bodies are built up to LOOKAHEAD ahead, so the builder can wait: it must not
                 // take the core from the sends of a burst (each send frees a place it refills).
                 // It keeps off by sleeping, in the normal scheduling class: in the idle class it
-                // starved on a saturated core, the dispatcher ran dry and every send went late.
+                // starved on a saturated core, the dispatcher ran dry and sends went late.
                 for (index, &at) in offsets.iter().enumerate() {
                     if deadline.is_some_and(|d| shared.start + at > d) {
                         break;
@@ -485,7 +485,7 @@ fn keep_off_sends(shared: &Shared, offsets: &[Duration], released: &AtomicUsize,
 }
 
 /// How long the body builder waits before building its next body, `ahead` bodies ahead of the
-/// dispatcher, when the last request released was due at `last_due` and the next is due at
+/// dispatcher, when the last request handed over was due at `last_due` and the next is due at
 /// `next_due`: while a send is near (from [`BUILDER_QUIET_BEFORE`] before the next one is due to
 /// [`BUILDER_QUIET_AFTER`] after either is), in slices of at most 1 ms so that it sees the
 /// dispatcher move on; never while fewer than [`BUILDER_MIN_AHEAD`] bodies are ready (a dense
