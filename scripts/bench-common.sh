@@ -26,4 +26,49 @@ start_sims() {
   exit 1
 }
 
+# cpu_of PID: CPU ticks (user + system) of a process and of its child processes.
+cpu_of() {
+  local total=0 p
+  for p in "$@" $(pgrep -P "$1" 2>/dev/null || true); do
+    [ -r "/proc/$p/stat" ] || continue
+    total=$(( total + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
+  done
+  echo "$total"
+}
+
+# stream_trace FILE N TOKENS [LONG_EVERY LONG_TOKENS]: the overhead benchmarks' trace: N requests of
+# 64-token prompts and TOKENS-token answers, no reuse; with LONG_EVERY > 0 every LONG_EVERY-th is
+# instead a LONG_TOKENS-token prompt with a one-token answer (so the streams' ITL is the short
+# requests' alone).
+stream_trace() {
+  python3 - "$1" "$2" "$3" "${4:-0}" "${5:-100000}" <<'PY'
+import json, sys
+path, n, tokens, every, long_tokens = sys.argv[1], *map(int, sys.argv[2:])
+with open(path, "w") as f:
+    for i in range(n):
+        if every and i % every == every - 1:
+            blocks = -(-long_tokens // 512)
+            row = {"timestamp": 0, "input_length": long_tokens, "output_length": 1,
+                   "hash_ids": [10**9 + blocks * i + b for b in range(blocks)], "block_tokens": 512}
+        else:
+            row = {"timestamp": 0, "input_length": 64, "output_length": tokens,
+                   "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}
+        f.write(json.dumps(row) + "\n")
+PY
+}
+
+# start_stream_replica MODEL TTFT_MS ITL_MS DIR: the overhead benchmarks' replica, one simulated
+# engine with a step-free or constant timing model and room for every stream, on the load cores
+# beside the load generator; sets replica_url and replica_pid (its URL and log in DIR).
+start_stream_replica() {
+  : >"$4/sim.url"
+  "${load_on[@]}" "$bin" sim --port 0 --latency-model "$1" --time-to-first-token "$2" \
+    --inter-token-latency "$3" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
+    >"$4/sim.url" 2>"$4/sim.log" &
+  replica_pid=$!
+  pids+=($replica_pid)
+  wait_line "$4/sim.url" http
+  replica_url=$(grep -m1 http "$4/sim.url")
+}
+
 source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"

@@ -28,27 +28,11 @@ mkdir -p "$OUT"
 cargo build --release --locked -q
 bin=target/release/headroom
 
-python3 - "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" <<'PY'
-import json, sys
-path, n, tokens = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
-with open(path, "w") as f:
-    for i in range(n):
-        f.write(json.dumps({"timestamp": 0, "input_length": 64, "output_length": tokens,
-                            "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}) + "\n")
-PY
-
 source scripts/bench-common.sh
 
-: >"$OUT/sim.url"
-"${load_on[@]}" $bin sim --port 0 --latency-model fixed --time-to-first-token "$TTFT_MS" \
-  --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
-  >"$OUT/sim.url" 2>"$OUT/sim.log" &
-sim_pid=$!
-pids+=($sim_pid)
-wait_line "$OUT/sim.url" http
-sim=$(grep -m1 http "$OUT/sim.url")
-
-ticks() { awk '{print $14 + $15}' "/proc/$1/stat"; }
+stream_trace "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS"
+start_stream_replica fixed "$TTFT_MS" "$ITL_MS" "$OUT"
+sim=$replica_url
 
 builds=(a)
 [ -n "${REPLAY_B:-}" ] && builds+=(b)
@@ -60,7 +44,7 @@ for round in $(seq "$ROUNDS"); do
     rm -rf "$dir"
     mkdir -p "$dir"
     echo "== round $round: build $build ($replay)" >&2
-    sim_before=$(ticks "$sim_pid")
+    sim_before=$(cpu_of "$replica_pid")
     start=$(date +%s.%N)
     # The subshell's `times` reports its children's CPU: the load generator's, all its threads (in
     # the C locale, whose decimal point the summary parses).
@@ -72,7 +56,7 @@ for round in $(seq "$ROUNDS"); do
       times >"$dir/times"
     )
     [ -f "$dir/result.json" ] || { echo "no result from build $build, round $round: see $dir.log" >&2; exit 1; }
-    echo "$(( $(ticks "$sim_pid") - sim_before ))" >"$dir/sim_ticks"
+    echo "$(( $(cpu_of "$replica_pid") - sim_before ))" >"$dir/sim_ticks"
     echo "$start $(date +%s.%N)" >"$dir/wall"
   done
 done

@@ -54,34 +54,16 @@ if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
 fi
 SERVE_BIN=${SERVE_BIN:-$bin}
 
-# RATE × DURATION requests (and some slack), 64-token prompts, TOKENS-token answers, no reuse; with
-# LONG_EVERY=N every Nth request is instead a LONG_TOKENS-token prompt with a one-token answer
-# (so the streams' ITL is the short requests' alone), which the proxy must read and hash whole.
-export LONG_EVERY=${LONG_EVERY:-0}
-export LONG_TOKENS=${LONG_TOKENS:-100000}
-python3 - "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" "$LONG_EVERY" "$LONG_TOKENS" <<'PY'
-import json, sys
-path, n, tokens, every, long_tokens = sys.argv[1], *map(int, sys.argv[2:])
-with open(path, "w") as f:
-    for i in range(n):
-        if every and i % every == every - 1:
-            blocks = -(-long_tokens // 512)
-            row = {"timestamp": 0, "input_length": long_tokens, "output_length": 1,
-                   "hash_ids": [10**9 + blocks * i + b for b in range(blocks)], "block_tokens": 512}
-        else:
-            row = {"timestamp": 0, "input_length": 64, "output_length": tokens,
-                   "hash_ids": [4 * i, 4 * i + 1, 4 * i + 2, 4 * i + 3], "block_tokens": 16}
-        f.write(json.dumps(row) + "\n")
-PY
-
 source scripts/bench-common.sh
 
-"${load_on[@]}" $bin sim --port 0 --latency-model "$MODEL" --time-to-first-token "$TTFT_MS" \
-  --inter-token-latency "$ITL_MS" --max-num-seqs 4096 --num-gpu-blocks 1000000 \
-  >"$OUT/sim.url" 2>"$OUT/sim.log" &
-pids+=($!)
-wait_line "$OUT/sim.url" http
-sim=$(grep -m1 http "$OUT/sim.url")
+# RATE × DURATION requests (and some slack); with LONG_EVERY=N every Nth prompt is a long one,
+# which the proxy must read and hash whole.
+export LONG_EVERY=${LONG_EVERY:-0}
+export LONG_TOKENS=${LONG_TOKENS:-100000}
+stream_trace "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" "$LONG_EVERY" "$LONG_TOKENS"
+
+start_stream_replica "$MODEL" "$TTFT_MS" "$ITL_MS" "$OUT"
+sim=$replica_url
 sim_hostport=${sim#http://}
 
 # Measurement is always on; the trace capture too (CAPTURE=0 turns it off), so the overhead
@@ -132,16 +114,6 @@ nginx_pid=$!
 pids+=($nginx_pid)
 for _ in $(seq 100); do curl -sf "http://127.0.0.1:$nginx_port/health" >/dev/null && break; sleep 0.05; done
 nginx="http://127.0.0.1:$nginx_port"
-
-# CPU seconds (user + system) of a process and its children threads/processes.
-cpu_of() {
-  local total=0 p
-  for p in "$@" $(pgrep -P "$1" 2>/dev/null || true); do
-    [ -r "/proc/$p/stat" ] || continue
-    total=$(( total + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
-  done
-  echo "$total"
-}
 
 # The replica's own TTFT (from its arrival to its first token: vllm:time_to_first_token_seconds), sum
 # and count. A hop's delay can also move a request to another engine step; the difference between

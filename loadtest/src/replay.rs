@@ -420,14 +420,12 @@ fn dispatch(
                 .checked_sub(EARLY_RELEASE)
                 .unwrap_or(shared.start)
         });
+        // Nothing to hand over and nothing waiting happens only once the builder is done.
         let Some(first) = hand_over_at
             .into_iter()
             .chain(waiting.front().map(Trigger::at))
             .min()
         else {
-            if more {
-                continue;
-            }
             break;
         };
         sleep_until(first);

@@ -208,7 +208,7 @@ mod tests {
                         break;
                     }
                 }
-                let followed = end < rest.len() && !reference_is_special_start(&bytes[pos + end..]);
+                let followed = end < rest.len() && !is_special_start(&bytes[pos + end..]);
                 if followed && rest.as_bytes()[end - 1] == b' ' {
                     if end > 1 {
                         emit(&rest[..end - 1]);
@@ -228,10 +228,6 @@ mod tests {
             emit(&rest[..len]);
             pos += len;
         }
-    }
-
-    fn reference_is_special_start(b: &[u8]) -> bool {
-        is_special(b).is_some()
     }
 
     // Byte length of the word or symbol token at the start of `s` (which starts with one space when
