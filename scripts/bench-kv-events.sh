@@ -13,6 +13,8 @@
 #   PROXY_COUNTS= POLICIES="prefix_affinity kv_events" ...   # one proxy only
 #   ENTRY=first ...   # several proxies running, every request through the first (a control: the
 #                     # others' processes and event streams without their share of the traffic)
+#   SHARE=gauges ...  # several proxies see each other's work as estimated from the engines' gauges
+#                     # (routing.foreign_load) instead of polling each other ([peers], the default)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${ROWS:-1000}
@@ -28,6 +30,10 @@ SLO=${SLO:-ttft=2000,tpot=50}
 MAX_HASHED=${MAX_HASHED:-131072}
 ENTRY=${ENTRY:-all}
 case $ENTRY in all | first) ;; *) echo "ENTRY must be all or first, got $ENTRY" >&2; exit 2 ;; esac
+SHARE=${SHARE:-peers}
+case $SHARE in peers | gauges) ;; *) echo "SHARE must be peers or gauges, got $SHARE" >&2; exit 2 ;; esac
+# Proxy k's admin listener, when the proxies poll each other: ADMIN_PORT + k.
+ADMIN_PORT=${ADMIN_PORT:-25757}
 # Replica i publishes on EVENTS_PORT + i and answers replays on REPLAY_PORT + i.
 EVENTS_PORT=${EVENTS_PORT:-25557}
 REPLAY_PORT=${REPLAY_PORT:-25657}
@@ -71,7 +77,6 @@ run() {
   for u in $(cat "$OUT/sims.url"); do curl -sf -X POST "$u/reset_prefix_cache" >/dev/null; done
   {
     echo 'listen = "127.0.0.1:0"'
-    echo 'admin_listen = "127.0.0.1:0"'
     local i=0
     for u in $(cat "$OUT/sims.url"); do
       printf '[[backends]]\nurl = "%s"\nkv_events = "tcp://127.0.0.1:%d"\nkv_events_replay = "tcp://127.0.0.1:%d"\n' \
@@ -79,11 +84,18 @@ run() {
       i=$((i + 1))
     done
     printf '[routing]\npolicy = "%s"\nforeign_load = %s\nmax_hashed_tokens = %s\n' "$policy" \
-      "$([ "$n" -gt 1 ] && echo true || echo false)" "$MAX_HASHED"
+      "$([ "$n" -gt 1 ] && [ "$SHARE" = gauges ] && echo true || echo false)" "$MAX_HASHED"
+    if [ "$n" -gt 1 ] && [ "$SHARE" = peers ]; then
+      printf '[peers]\naddresses = [%s]\n' \
+        "$(for k in $(seq "$n"); do printf '"127.0.0.1:%d",' $((ADMIN_PORT + k)); done)"
+    fi
   } >"$dir/headroom.toml"
   local proxies=() admins=() serve_pids=()
   for k in $(seq "$n"); do
-    $bin serve --config "$dir/headroom.toml" >"$dir/serve-$k.url" 2>"$dir/serve-$k.log" &
+    local admin='127.0.0.1:0'
+    if [ "$n" -gt 1 ] && [ "$SHARE" = peers ]; then admin="127.0.0.1:$((ADMIN_PORT + k))"; fi
+    { echo "admin_listen = \"$admin\""; cat "$dir/headroom.toml"; } >"$dir/headroom-$k.toml"
+    $bin serve --config "$dir/headroom-$k.toml" >"$dir/serve-$k.url" 2>"$dir/serve-$k.log" &
     serve_pids+=($!)
     pids+=($!)
     wait_line "$dir/serve-$k.log" "admin http"
@@ -101,12 +113,12 @@ run() {
   fi
   for k in $(seq "$n"); do curl -sf "${admins[$((k - 1))]}/metrics" >"$dir/proxy-$k-metrics-before.txt"; done
   preemptions >"$dir/preemptions-before.txt"
-  echo "== $policy × $n proxies (requests through: $ENTRY)" >&2
+  echo "== $policy × $n proxies (requests through: $ENTRY; other proxies' work: $SHARE)" >&2
   local targets
   targets=$(IFS=,; echo "${proxies[*]}")
   if [ "$ENTRY" = first ]; then targets=${proxies[0]}; fi
   $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$targets" --observe "$urls" \
-    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy; requests through $ENTRY)" \
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy; requests through $ENTRY; other proxies' work from $SHARE)" \
     --out "$dir" >"$dir/replay.txt"
   preemptions >"$dir/preemptions-after.txt"
   for k in $(seq "$n"); do
@@ -121,9 +133,9 @@ for n in $PROXY_COUNTS; do
   for policy in $MULTI_POLICIES; do run "$policy" "$n"; done
 done
 
-python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" <<'PY'
+python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" "$SHARE" <<'PY'
 import glob, json, os, re, sys
-out, working_set, blocks, entry = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4]
+out, working_set, blocks, entry, share = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5]
 def run_dirs():
     dirs = [d for d in glob.glob(f"{out}/*-x*") if os.path.exists(f"{d}/result.json")]
     return sorted(dirs, key=lambda d: (int(d.rsplit("-x", 1)[1]), os.path.getmtime(d)))
@@ -161,6 +173,7 @@ contract = json.load(open(f"{run_dirs()[0]}/result.json"))["contract"]
 lines = [
     f"trace: {contract['trace']['path']} (sha256 {contract['trace']['sha256'][:16]}…), {contract['trace']['requests']} requests, time scale {contract['load'].get('time_scale')}",
     "requests through: " + ("every proxy in turn" if entry == "all" else "the first proxy only (ENTRY=first: the others route nothing)"),
+    "other proxies' work (several proxies): " + ("polled from each other every 100 ms ([peers])" if share == "peers" else "estimated from the engines' gauges (routing.foreign_load)"),
     f"prefix working set (blocks used by more than one request): {working_set:,} tokens; KV per replica {(blocks - 1) * 16:,} tokens, fleet {(blocks - 1) * 64:,} ({100 * (blocks - 1) * 64 / working_set:.0f}% of the working set)",
     "",
     "| policy | proxies | hit rate | of ideal | vs 1 proxy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p99 ms | output tok/s | goodput req/s | preemptions | imbalance | event streams | failed |",

@@ -41,6 +41,9 @@ pub struct ServeConfig {
     /// Engine metrics scraping.
     #[serde(default)]
     pub scrape: ScrapeConfig,
+    /// Other proxies in front of the same replicas, whose work in flight routing counts.
+    #[serde(default)]
+    pub peers: PeersConfig,
     /// Timeouts.
     #[serde(default)]
     pub timeouts: TimeoutConfig,
@@ -486,6 +489,37 @@ impl Default for ScrapeConfig {
     }
 }
 
+/// Other `headroom serve` processes in front of the same replicas. Each proxy serves its own work
+/// in flight per replica (requests, uncached prefill tokens not yet done, sequences decoding) on
+/// its admin listener at `/peers/load`, and polls every peer's; routing adds the peers' work to
+/// its own (docs/routing.md, "Several proxies"). Every proxy needs the same backend URLs, and its
+/// admin listener reachable by the others.
+#[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
+#[serde(deny_unknown_fields, default)]
+pub struct PeersConfig {
+    /// The other proxies' admin listeners, `host:port`. A name that resolves to several addresses
+    /// (a Kubernetes headless Service) means all of them; this proxy's own address may be listed
+    /// (it recognises itself and skips it). Empty: no peers.
+    pub addresses: Vec<String>,
+    /// Time between polls of every peer.
+    pub interval_ms: u64,
+    /// A poll slower than this fails.
+    pub timeout_ms: u64,
+    /// A peer not heard from for this long no longer counts (it stopped, or cannot be reached).
+    pub expire_ms: u64,
+}
+
+impl Default for PeersConfig {
+    fn default() -> Self {
+        Self {
+            addresses: Vec::new(),
+            interval_ms: 100,
+            timeout_ms: 250,
+            expire_ms: 1_000,
+        }
+    }
+}
+
 /// Timeouts that suit streaming: a long generation is fine, a silent one is not.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
@@ -774,7 +808,7 @@ fn default_admin_listen() -> String {
 /// Whether `s` is `host:port` with a numeric port.
 fn is_host_port(s: &str) -> bool {
     s.rsplit_once(':')
-        .is_some_and(|(h, p)| !h.is_empty() && p.parse::<u16>().is_ok())
+        .is_some_and(|(h, p)| !h.is_empty() && !h.contains(['/', ' ']) && p.parse::<u16>().is_ok())
 }
 
 impl ServeConfig {
@@ -790,6 +824,7 @@ impl ServeConfig {
             },
             health: HealthConfig::default(),
             scrape: ScrapeConfig::default(),
+            peers: PeersConfig::default(),
             timeouts: TimeoutConfig::default(),
             limits: LimitConfig::default(),
             measure: MeasureConfig::default(),
@@ -1181,6 +1216,50 @@ impl Validate for ServeConfig {
             "session_header",
             &r.session_header,
             "must be a header name",
+        );
+        let peers = &self.peers;
+        let pp = field_path(p, "peers");
+        for (i, a) in peers.addresses.iter().enumerate() {
+            check(
+                e,
+                is_host_port(a),
+                &pp,
+                &format!("addresses[{i}]"),
+                a,
+                "must be host:port of another proxy's admin listener",
+            );
+        }
+        check(
+            e,
+            peers.interval_ms > 0,
+            &pp,
+            "interval_ms",
+            peers.interval_ms,
+            "must be positive",
+        );
+        check(
+            e,
+            peers.timeout_ms > 0,
+            &pp,
+            "timeout_ms",
+            peers.timeout_ms,
+            "must be positive",
+        );
+        check(
+            e,
+            peers.expire_ms >= 2 * peers.interval_ms,
+            &pp,
+            "expire_ms",
+            peers.expire_ms,
+            "must be at least two poll intervals (one late answer must not drop a live peer)",
+        );
+        check(
+            e,
+            peers.addresses.is_empty() || !r.foreign_load,
+            &rp,
+            "foreign_load",
+            true,
+            "set one of routing.foreign_load and peers.addresses: the peers' counts already are the other proxies' work",
         );
         let h = &self.health;
         let hp = field_path(p, "health");
@@ -1603,6 +1682,7 @@ mod tests {
         assert_eq!(c.timeouts, TimeoutConfig::default());
         assert_eq!(c.limits, LimitConfig::default());
         assert_eq!(c.scrape, ScrapeConfig::default());
+        assert_eq!(c.peers, PeersConfig::default());
         assert_eq!(c.measure, MeasureConfig::default());
         assert_eq!(c.classes, default_classes());
         assert_eq!(c.admission, AdmissionConfig::default());
@@ -1710,6 +1790,34 @@ hash = "pickle"
         );
         let ok = "[[backends]]\nurl = \"http://127.0.0.1:8001\"\nkv_events = \"tcp://10.0.0.5:5557\"\n[routing]\npolicy = \"kv_events\"\n";
         assert!(parse_toml::<ServeConfig>(ok, Path::new("h.toml")).is_ok());
+    }
+
+    #[test]
+    fn peers_are_admin_addresses_polled_often_and_exclude_the_gauge_estimate() {
+        let text = r#"
+[[backends]]
+url = "http://127.0.0.1:8001"
+[routing]
+foreign_load = true
+[peers]
+addresses = ["headroom-admin.default.svc:9090", "http://10.0.0.7:9090"]
+interval_ms = 200
+expire_ms = 300
+"#;
+        let err = parse_toml::<ServeConfig>(text, Path::new("h.toml"))
+            .unwrap_err()
+            .to_string();
+        for want in [
+            "peers.addresses[1] = http://10.0.0.7:9090: must be host:port",
+            "peers.expire_ms = 300: must be at least two poll intervals",
+            "routing.foreign_load = true: set one of routing.foreign_load and peers.addresses",
+        ] {
+            assert!(err.contains(want), "missing {want:?} in\n{err}");
+        }
+        assert!(!err.contains("addresses[0]"), "{err}");
+        let ok = "[[backends]]\nurl = \"http://127.0.0.1:8001\"\n[peers]\naddresses = [\"10.0.0.7:9090\"]\n";
+        let c = parse_toml::<ServeConfig>(ok, Path::new("h.toml")).unwrap();
+        assert_eq!((c.peers.interval_ms, c.peers.expire_ms), (100, 1_000));
     }
 
     #[test]

@@ -34,7 +34,7 @@ fn setup() -> (PrefixAffinity, Vec<BackendView>, Vec<u64>) {
             in_flight: 10,
             pending_prefill_tokens: 5_000,
             decoding: 8,
-            foreign: 0,
+            foreign: Default::default(),
         })
         .collect();
     (PrefixAffinity::new(index), fleet, prompt)

@@ -36,6 +36,7 @@ use crate::telemetry::capture::Capture;
 use crate::telemetry::stats::Stats;
 use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
 use crate::upstreams::kv_events::{EventSource, subscribe_loop};
+use crate::upstreams::peers::{Heeded, LoadReport, OnPoll, Peers, poll_loop};
 use crate::upstreams::{Backend, Fleet};
 
 /// Why the proxy could not start.
@@ -73,6 +74,8 @@ pub struct ServeHandle {
     pub capture: Option<Arc<Capture>>,
     /// Open requests and draining.
     pub lifecycle: Arc<Lifecycle>,
+    /// This process's id in its reports to peers (`/peers/load`).
+    pub proxy_id: u64,
     live: watch::Sender<Live>,
     generation: Generation,
     accept_stop: watch::Sender<bool>,
@@ -126,6 +129,7 @@ impl ServeHandle {
             shadow_stats: self.shadow_stats.clone(),
             capture: self.capture.clone(),
             lifecycle: self.lifecycle.clone(),
+            proxy_id: self.proxy_id,
         };
         let next = Generation::start(Arc::new(cfg), &shared)?;
         let _ = self.live.send(next.live.clone());
@@ -188,6 +192,7 @@ struct Shared {
     shadow_stats: Arc<Stats>,
     capture: Option<Arc<Capture>>,
     lifecycle: Arc<Lifecycle>,
+    proxy_id: u64,
 }
 
 /// What the listeners and the admin endpoints read of the config now serving.
@@ -323,6 +328,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         shadow_stats: Arc::new(Stats::default()),
         capture: Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new),
         lifecycle: Lifecycle::new(metrics.open_requests.clone()),
+        proxy_id: crate::upstreams::peers::process_id(),
         metrics,
     };
     let generation = Generation::start(cfg.clone(), &shared)?;
@@ -366,6 +372,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         shared.metrics.clone(),
         shared.stats.clone(),
         shared.shadow_stats.clone(),
+        shared.proxy_id,
         live_rx,
     );
     let mut admin_stop = stop_rx;
@@ -385,6 +392,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         shadow_stats: shared.shadow_stats,
         capture: shared.capture,
         lifecycle: shared.lifecycle,
+        proxy_id: shared.proxy_id,
         live,
         generation,
         accept_stop,
@@ -399,6 +407,14 @@ impl Generation {
         let mut fleet =
             Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
         fleet.count_foreign = cfg.routing.foreign_load;
+        let peers = (!cfg.peers.addresses.is_empty()).then(|| {
+            Arc::new(Peers::new(
+                shared.proxy_id,
+                fleet.backends.iter().map(|b| b.url.clone()).collect(),
+                Duration::from_millis(cfg.peers.expire_ms),
+            ))
+        });
+        fleet.peers = peers.clone();
         let fleet = Arc::new(fleet);
         let (policy, kv_index) = build_policy(&cfg);
         let index_policy = policy.clone();
@@ -519,6 +535,24 @@ impl Generation {
             http.clone(),
             stop_rx.clone(),
         )));
+        if let Some(peers) = peers {
+            let polls = metrics.peer_polls.clone();
+            let on_poll: OnPoll = Arc::new(move |heeded| {
+                let result = match heeded {
+                    Some(Heeded::Peer) => "ok",
+                    Some(Heeded::Own) => "self",
+                    None => "failed",
+                };
+                polls.with_label_values(&[result]).inc();
+            });
+            tasks.push(tokio::spawn(poll_loop(
+                peers,
+                cfg.peers.clone(),
+                http.clone(),
+                on_poll,
+                stop_rx.clone(),
+            )));
+        }
         let block_tokens = u64::from(cfg.routing.block_tokens);
         let sized_by_config = cfg.routing.index_blocks.is_some();
         let scrape_metrics = metrics.clone();
@@ -802,9 +836,10 @@ fn admin_router(
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
     shadow_stats: Arc<Stats>,
+    proxy_id: u64,
     live: watch::Receiver<Live>,
 ) -> Router {
-    let (ready_live, metrics_live) = (live.clone(), live.clone());
+    let (ready_live, metrics_live, peers_live) = (live.clone(), live.clone(), live.clone());
     let stats_metrics = metrics.clone();
     let metrics_stats = stats.clone();
     Router::new()
@@ -873,9 +908,17 @@ fn admin_router(
                             "windows": shadow_stats.snapshot(now),
                         })
                     });
+                    let peers = fleet.peers.as_ref().map(|p| {
+                        let foreign = p.foreign(now);
+                        for (b, w) in backends.iter_mut().zip(&foreign) {
+                            b["peers"] = serde_json::json!(w);
+                        }
+                        p.states(now)
+                    });
                     axum::Json(serde_json::json!({
                         "windows": windows,
                         "backends": backends,
+                        "peers": peers,
                         "pools": crate::telemetry::operator::pools(&cfg, &fleet),
                         "cost": cost,
                         "queued": queued,
@@ -906,6 +949,7 @@ fn admin_router(
                     });
                     metrics.refresh_cost(cost);
                     metrics.refresh_index(&fleet, policy.as_ref());
+                    metrics.refresh_peers(&fleet);
                     if let Some(kv) = &kv {
                         metrics.refresh_kv_events(
                             &fleet,
@@ -920,6 +964,13 @@ fn admin_router(
                         metrics.render(),
                     )
                 }
+            }),
+        )
+        .route(
+            "/peers/load",
+            get(move || {
+                let fleet = peers_live.borrow().fleet.clone();
+                async move { axum::Json(LoadReport::of(proxy_id, &fleet)) }
             }),
         )
         .route("/healthz", get(|| async { "ok\n" }))

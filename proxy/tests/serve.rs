@@ -544,3 +544,121 @@ async fn a_slow_starting_replica_shows_its_cold_start() {
     h.shutdown().await;
     replica.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_that_poll_each_other_route_around_each_others_work() {
+    let (r0, r1) = (
+        sim(&["--inter-token-latency", "20"]).await,
+        sim(&["--inter-token-latency", "20"]).await,
+    );
+    let urls = [r0.url(), r1.url()];
+    let config = |peers: Vec<String>| {
+        let mut cfg = ServeConfig::quick("127.0.0.1:0", &urls, "least_load");
+        cfg.admin_listen = "127.0.0.1:0".into();
+        cfg.health.interval_ms = 200;
+        cfg.peers.addresses = peers;
+        cfg.peers.interval_ms = 20;
+        cfg.peers.expire_ms = 200;
+        cfg.validated().unwrap()
+    };
+    let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
+    let mut b = headroom_proxy::start(config(vec![])).await.unwrap();
+    // As a headless Service lists them: every proxy, each one itself included.
+    let everyone = vec![a.admin_addr.to_string(), b.admin_addr.to_string()];
+    a.reload(config(everyone.clone())).await.unwrap();
+    b.reload(config(everyone)).await.unwrap();
+
+    // A long stream through a.
+    let resp = client()
+        .post(format!("http://{}/v1/completions", a.addr))
+        .json(
+            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
+            "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let busy = resp.headers()["x-headroom-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    let report: Value = client()
+        .get(format!("http://{}/peers/load", a.admin_addr))
+        .send()
+        .await
+        .unwrap()
+        .json()
+        .await
+        .unwrap();
+    let busy_id = urls.iter().position(|u| u.ends_with(&busy)).unwrap();
+    assert_eq!(report["backends"][busy_id]["in_flight"], 1, "{report}");
+    assert_eq!(report["backends"][busy_id]["decoding"], 1, "{report}");
+
+    let b_admin = b.admin_addr;
+    eventually("b to hear of a's stream", || async move {
+        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        s["backends"][busy_id]["peers"]["in_flight"] == 1
+    })
+    .await;
+    // b, idle itself, sends everything to the other replica: with no word from a, its ties would
+    // spread these over both.
+    for i in 0..8 {
+        let resp = client()
+            .post(format!("http://{}/v1/completions", b.addr))
+            .json(
+                &json!({"model": MODEL, "prompt": words(20, &format!("p{i}")),
+                "max_tokens": 1}),
+            )
+            .send()
+            .await
+            .unwrap();
+        assert_eq!(resp.status(), 200);
+        assert_ne!(
+            resp.headers()["x-headroom-backend"],
+            busy.as_str(),
+            "request {i}"
+        );
+    }
+    let metrics = common::get_text(&format!("http://{b_admin}/metrics")).await;
+    assert!(
+        metrics.contains("headroom_peer_polls_total{result=\"self\"}"),
+        "b found itself among the peers and skipped it"
+    );
+    assert_eq!(common::metric(&metrics, "headroom_peers_live"), 1.0);
+
+    // The stream ends: b hears it at the next poll. a stops: b forgets it after expire_ms.
+    drop(stream);
+    eventually("b to hear the stream ended", || async move {
+        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        s["backends"][busy_id]["peers"]["in_flight"] == 0
+    })
+    .await;
+    a.shutdown().await;
+    eventually("b to stop counting the stopped peer", || async move {
+        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        let peers = s["peers"].as_array().unwrap().clone();
+        peers.iter().all(|p| p["live"] == false)
+            && s["backends"][busy_id]["peers"]["in_flight"] == 0
+    })
+    .await;
+    b.shutdown().await;
+    r0.shutdown().await.unwrap();
+    r1.shutdown().await.unwrap();
+}

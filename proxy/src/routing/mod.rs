@@ -5,8 +5,8 @@
 //!
 //! ```text
 //! cost(b) = recompute_weight · (prompt_tokens − matched_tokens(b))   uncached prefill it brings
-//!         + pending_prefill_tokens(b)                       prefill already queued on b
-//!         + decode_weight · (decoding(b) + foreign(b))      sequences decoding on b
+//!         + pending_prefill_tokens(b) + foreign_prefill(b)  prefill already queued on b
+//!         + decode_weight · (decoding(b) + foreign_decoding(b))   sequences decoding on b
 //! pick    = argmin cost(b) over healthy b; ties broken by rendezvous hash of the leading block
 //! ```
 //!
@@ -15,7 +15,8 @@
 //! | `matched_tokens(b)` | leading blocks of the prompt the prefix index says b holds × block tokens, at most prompt − 1 | |
 //! | `pending_prefill_tokens(b)` | uncached prompt tokens of requests sent to b that have not produced a first token (counted by the proxy) | |
 //! | `decoding(b)` | requests on b past their first token (counted by the proxy) | |
-//! | `foreign(b)` | requests other proxies have on b: the engine's running + waiting minus this proxy's own in flight at the last scrape (only with `routing.foreign_load`) | 0 |
+//! | `foreign_prefill(b)` | the same for the requests other proxies sent to b, as they last reported it (only with `[peers]`) | 0 |
+//! | `foreign_decoding(b)` | other proxies' requests on b past their first token, as they last reported it (`[peers]`); or, estimated, all their requests on b: the engine's running + waiting minus this proxy's own in flight at the last scrape (`routing.foreign_load`) | 0 |
 //! | `recompute_weight` | how much a token of prefill the request brings counts against a token already queued: 1 minimises this request's own wait; above 1 also charges the recomputation to the requests that will queue behind it | 2 |
 //! | `decode_weight` | tokens of prefill one decoding sequence is worth per scheduling decision: its per-step KV read at ~2k context costs about what prefilling 5–10 tokens does on an 8B model | 8 |
 //!
@@ -52,9 +53,22 @@ pub struct BackendView {
     pub pending_prefill_tokens: u64,
     /// Its in-flight requests past their first token.
     pub decoding: u32,
-    /// Requests other proxies have on it (estimated from its scraped gauges; 0 unless
-    /// `routing.foreign_load`).
-    pub foreign: u32,
+    /// Other proxies' work on it (reported by them with `[peers]`, estimated from its gauges with
+    /// `routing.foreign_load`, else none).
+    pub foreign: Foreign,
+}
+
+/// Other proxies' work on one replica.
+#[derive(Debug, Clone, Copy, Default, PartialEq)]
+pub struct Foreign {
+    /// Their requests on it.
+    pub requests: u32,
+    /// Of those, the ones past their first token (all of them when estimated from the engine's
+    /// gauges, which cannot tell prefill from decode).
+    pub decoding: u32,
+    /// Uncached prompt tokens of the others that have not produced a first token (known only when
+    /// the proxies report to each other).
+    pub pending_prefill_tokens: u64,
 }
 
 /// What routing knows about the request.

@@ -76,7 +76,7 @@ impl RoutingPolicy for LeastLoad {
     fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
         let h = healthy(fleet)?;
         let b = least_loaded_by(&h, req.hash_key(), |b| {
-            f64::from(b.in_flight) + f64::from(b.foreign)
+            f64::from(b.in_flight) + f64::from(b.foreign.requests)
         });
         Ok(Pick {
             backend: b.id,
@@ -181,8 +181,8 @@ impl PrefixAffinity {
     /// The cost of sending `req` to `b`, given `b` holds `matched` prompt tokens.
     pub fn cost(&self, req: &RouteRequest<'_>, b: &BackendView, matched: u32) -> f64 {
         self.recompute_weight * f64::from(req.prompt_tokens - matched.min(req.prompt_tokens))
-            + b.pending_prefill_tokens as f64
-            + self.decode_weight * (f64::from(b.decoding) + f64::from(b.foreign))
+            + (b.pending_prefill_tokens + b.foreign.pending_prefill_tokens) as f64
+            + self.decode_weight * (f64::from(b.decoding) + f64::from(b.foreign.decoding))
     }
 
     /// The healthy replica of least cost, given how many leading blocks each one holds.
@@ -319,7 +319,7 @@ mod tests {
                 in_flight: 0,
                 pending_prefill_tokens: 0,
                 decoding: 0,
-                foreign: 0,
+                foreign: crate::routing::Foreign::default(),
             })
             .collect()
     }
@@ -488,6 +488,28 @@ mod tests {
         f2[first.backend].pending_prefill_tokens = 3300;
         assert_ne!(
             heavy.select(&req(&shared, 1700), &f2).unwrap().backend,
+            first.backend
+        );
+        // Another proxy's queued prefill counts as this proxy's own does…
+        let mut f3 = f.clone();
+        f3[first.backend].foreign.pending_prefill_tokens = 2000;
+        assert_ne!(
+            p.select(&req(&shared, 1700), &f3).unwrap().backend,
+            first.backend
+        );
+        // …and its decoding sequences at decode_weight tokens each (8 · 250 > 1,600 saved).
+        f3[first.backend].foreign = crate::routing::Foreign {
+            requests: 300,
+            decoding: 250,
+            pending_prefill_tokens: 0,
+        };
+        assert_ne!(
+            p.select(&req(&shared, 1700), &f3).unwrap().backend,
+            first.backend
+        );
+        f3[first.backend].foreign.decoding = 150;
+        assert_eq!(
+            p.select(&req(&shared, 1700), &f3).unwrap().backend,
             first.backend
         );
     }

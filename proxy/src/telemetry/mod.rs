@@ -52,6 +52,12 @@ pub struct Metrics {
     pub engine_tokens_failed: IntCounter,
     /// Routing decisions, by policy and backend.
     pub routed: IntCounterVec,
+    /// Polls of peer proxies' work (`[peers]`), by result.
+    pub peer_polls: IntCounterVec,
+    /// Peer proxies heard from recently enough to count.
+    pub peers_live: prometheus::IntGauge,
+    /// Work peer proxies report on each replica.
+    pub peer_work: FloatGaugeVec,
     /// Prompt tokens of routed generation requests.
     pub routed_prompt_tokens: IntCounter,
     /// Prompt tokens the policy expected the chosen replica to have cached.
@@ -358,6 +364,24 @@ impl Metrics {
                 "Routing decisions, by policy and backend.",
                 &["policy", "backend"],
             ),
+            peer_polls: counter(
+                "headroom_peer_polls_total",
+                "Polls of the peer proxies' work in flight ([peers]), by result: ok, self (this proxy's own address among the peers'), failed.",
+                &["result"],
+            ),
+            peers_live: prometheus::IntGauge::new(
+                "headroom_peers_live",
+                "Peer proxies heard from within peers.expire_ms: their work on the replicas counts in routing.",
+            )
+            .expect("valid metric"),
+            peer_work: FloatGaugeVec::new(
+                Opts::new(
+                    "headroom_peer_work",
+                    "Work the live peer proxies report on each replica: requests, prefill_tokens (uncached, not yet done), decoding.",
+                ),
+                &["backend", "kind"],
+            )
+            .expect("valid metric"),
             routed_prompt_tokens: IntCounter::new(
                 "headroom_routed_prompt_tokens_total",
                 "Prompt tokens of routed generation requests.",
@@ -674,6 +698,9 @@ impl Metrics {
             Box::new(m.uninspectable.clone()),
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),
+            Box::new(m.peer_polls.clone()),
+            Box::new(m.peers_live.clone()),
+            Box::new(m.peer_work.clone()),
             Box::new(m.routed_prompt_tokens.clone()),
             Box::new(m.routed_matched_tokens.clone()),
             Box::new(m.ttft.clone()),
@@ -956,6 +983,27 @@ impl Metrics {
                 .queued
                 .with_label_values(&[&class])
                 .set(n as f64);
+        }
+    }
+
+    /// Sets the peer gauges from the peers' last reports.
+    pub fn refresh_peers(&self, fleet: &Fleet) {
+        let Some(peers) = &fleet.peers else {
+            return;
+        };
+        let now = std::time::Instant::now();
+        let live = peers.states(now).iter().filter(|p| p.live).count();
+        self.peers_live.set(live as i64);
+        for (b, w) in fleet.backends.iter().zip(peers.foreign(now)) {
+            for (kind, v) in [
+                ("requests", f64::from(w.in_flight)),
+                ("prefill_tokens", w.pending_prefill_tokens as f64),
+                ("decoding", f64::from(w.decoding)),
+            ] {
+                self.peer_work
+                    .with_label_values(&[b.name.as_str(), kind])
+                    .set(v);
+            }
         }
     }
 

@@ -10,6 +10,7 @@
 pub mod cold_start;
 pub mod health;
 pub mod kv_events;
+pub mod peers;
 
 use std::net::{SocketAddr, ToSocketAddrs};
 use std::sync::Arc;
@@ -20,7 +21,7 @@ use std::time::Instant;
 use headroom_config::serve::{BackendConfig, HealthConfig};
 use headroom_workload::engine_metrics::EngineGauges;
 
-use crate::routing::{BackendId, BackendView};
+use crate::routing::{BackendId, BackendView, Foreign};
 
 /// One replica.
 #[derive(Debug)]
@@ -309,8 +310,11 @@ pub struct Fleet {
     pub backends: Vec<Arc<Backend>>,
     health: HealthConfig,
     epoch: Instant,
-    /// Whether routing views count other proxies' work on each replica ([`Scraped::foreign`]).
+    /// Whether routing views count other proxies' work on each replica estimated from its gauges
+    /// ([`Scraped::foreign`]).
     pub count_foreign: bool,
+    /// Other proxies' work as they report it; when set, it is what routing views count.
+    pub peers: Option<Arc<peers::Peers>>,
 }
 
 impl Fleet {
@@ -327,6 +331,7 @@ impl Fleet {
             health,
             epoch: Instant::now(),
             count_foreign: false,
+            peers: None,
         })
     }
 
@@ -346,10 +351,27 @@ impl Fleet {
 
     /// The routing snapshot, taken at dispatch time.
     pub fn views(&self) -> Vec<BackendView> {
+        let reported = self.peers.as_ref().map(|p| p.foreign(Instant::now()));
         self.backends
             .iter()
             .map(|b| {
                 let l = b.load();
+                let foreign = if let Some(w) = reported.as_ref().and_then(|r| r.get(b.id)) {
+                    Foreign {
+                        requests: w.in_flight,
+                        decoding: w.decoding,
+                        pending_prefill_tokens: w.pending_prefill_tokens,
+                    }
+                } else if self.count_foreign {
+                    let n = b.engine.lock().unwrap_or_else(|e| e.into_inner()).foreign();
+                    Foreign {
+                        requests: n,
+                        decoding: n,
+                        pending_prefill_tokens: 0,
+                    }
+                } else {
+                    Foreign::default()
+                };
                 BackendView {
                     id: b.id,
                     key: b.key,
@@ -357,11 +379,7 @@ impl Fleet {
                     in_flight: l.in_flight,
                     pending_prefill_tokens: l.pending_prefill_tokens,
                     decoding: l.decoding,
-                    foreign: if self.count_foreign {
-                        b.engine.lock().unwrap_or_else(|e| e.into_inner()).foreign()
-                    } else {
-                        0
-                    },
+                    foreign,
                 }
             })
             .collect()
@@ -450,9 +468,49 @@ mod tests {
         assert_eq!(scraped(None, None, 0).foreign(), 0);
         let mut f = fleet(2, HealthConfig::default());
         *f.backends[1].engine.lock().unwrap() = scraped(Some(6.0), None, 0);
-        assert_eq!(f.views()[1].foreign, 0, "off unless asked for");
+        assert_eq!(
+            f.views()[1].foreign,
+            Foreign::default(),
+            "off unless asked for"
+        );
         f.count_foreign = true;
-        assert_eq!(f.views()[1].foreign, 6);
+        let estimated = Foreign {
+            requests: 6,
+            decoding: 6,
+            pending_prefill_tokens: 0,
+        };
+        assert_eq!(f.views()[1].foreign, estimated);
+        // Peers' reports, when configured, are what counts, prefill and decode apart.
+        let urls = f.backends.iter().map(|b| b.url.clone()).collect();
+        let peers = Arc::new(peers::Peers::new(
+            1,
+            urls,
+            std::time::Duration::from_secs(1),
+        ));
+        f.peers = Some(peers.clone());
+        assert_eq!(f.views()[1].foreign, Foreign::default());
+        let report = peers::LoadReport {
+            proxy: 2,
+            backends: vec![peers::BackendWork {
+                url: "http://127.0.0.1:9001".into(),
+                work: peers::Work {
+                    in_flight: 3,
+                    pending_prefill_tokens: 14_000,
+                    decoding: 1,
+                },
+            }],
+        };
+        peers.heard("127.0.0.1:1".parse().unwrap(), &report, Instant::now());
+        let views = f.views();
+        assert_eq!(views[0].foreign, Foreign::default());
+        assert_eq!(
+            views[1].foreign,
+            Foreign {
+                requests: 3,
+                decoding: 1,
+                pending_prefill_tokens: 14_000,
+            }
+        );
     }
 
     #[test]

@@ -1,0 +1,388 @@
+//! Other proxies' work in flight on each replica, shared over the admin listeners: each proxy serves
+//! its own per-replica counts at `/peers/load`, polls every peer's, and routing adds the peers'
+//! work to its own.
+//!
+//! ```text
+//! foreign(b) = Σ over peers p heard from within expire_ms of  work_p(b)
+//! work_p(b)  = (requests, uncached prefill tokens not yet done, sequences decoding) p has on b
+//! ```
+//!
+//! | parameter | meaning | default |
+//! |---|---|---|
+//! | `peers.addresses` | the peers' admin listeners; a name resolving to several addresses means each | none |
+//! | `peers.interval_ms` | time between polls: how late a peer's new work is seen, at most | 100 |
+//! | `peers.timeout_ms` | a slower poll fails | 250 |
+//! | `peers.expire_ms` | a peer not heard from for this long counts no more | 1000 |
+//!
+//! Why polling the peers rather than a shared store: nothing new to run, and no single point of
+//! failure. A peer that stops answering costs its share of the picture after `expire_ms`, never
+//! the routing. Replicas are matched by URL, so every proxy must name them alike. Each proxy
+//! reports only the requests it sent, so nothing is counted twice; it recognises its own report
+//! (a headless Service lists every pod, itself included) by a per-process id and skips it.
+
+use std::collections::HashMap;
+use std::net::SocketAddr;
+use std::sync::Mutex;
+use std::time::{Duration, Instant};
+
+use headroom_config::serve::PeersConfig;
+use serde::{Deserialize, Serialize};
+use tokio::sync::watch;
+
+use super::Fleet;
+
+/// What one proxy has in flight on one replica (also a sum of several proxies').
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Work {
+    /// Requests in flight.
+    pub in_flight: u32,
+    /// Uncached prompt tokens of those requests that have not produced a first token.
+    pub pending_prefill_tokens: u64,
+    /// Those requests past their first token.
+    pub decoding: u32,
+}
+
+impl Work {
+    fn add(&mut self, o: &Work) {
+        self.in_flight += o.in_flight;
+        self.pending_prefill_tokens += o.pending_prefill_tokens;
+        self.decoding += o.decoding;
+    }
+}
+
+/// One replica's line in a [`LoadReport`].
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct BackendWork {
+    /// The replica's URL as configured (how peers match replicas).
+    pub url: String,
+    /// The reporting proxy's work on it.
+    #[serde(flatten)]
+    pub work: Work,
+}
+
+/// `GET /peers/load` on the admin listener: this proxy's own work on each replica.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct LoadReport {
+    /// The reporting process's id (random per process), so a proxy skips its own report.
+    pub proxy: u64,
+    /// One line per replica.
+    pub backends: Vec<BackendWork>,
+}
+
+impl LoadReport {
+    /// The report of `fleet`'s own counts, by the proxy `proxy`.
+    pub fn of(proxy: u64, fleet: &Fleet) -> Self {
+        Self {
+            proxy,
+            backends: fleet
+                .backends
+                .iter()
+                .map(|b| {
+                    let l = b.load();
+                    BackendWork {
+                        url: b.url.clone(),
+                        work: Work {
+                            in_flight: l.in_flight,
+                            pending_prefill_tokens: l.pending_prefill_tokens,
+                            decoding: l.decoding,
+                        },
+                    }
+                })
+                .collect(),
+        }
+    }
+}
+
+/// What was last heard from one peer, in this fleet's replica order.
+#[derive(Debug, Clone)]
+struct Heard {
+    at: Instant,
+    from: SocketAddr,
+    work: Vec<Work>,
+}
+
+/// What a report changed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Heeded {
+    /// A peer's report, now counted.
+    Peer,
+    /// This proxy's own report (its address is among the peers'): skipped.
+    Own,
+}
+
+/// A peer as `/stats` shows it.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct PeerState {
+    /// Its process id.
+    pub proxy: u64,
+    /// Where it was last heard from.
+    pub address: SocketAddr,
+    /// Milliseconds since.
+    pub age_ms: u64,
+    /// Whether it still counts.
+    pub live: bool,
+}
+
+/// The peers' work, as last heard. Pure: the poll loop feeds it, routing reads it.
+#[derive(Debug)]
+pub struct Peers {
+    own: u64,
+    expire: Duration,
+    /// This fleet's replica URLs, by backend id.
+    urls: Vec<String>,
+    heard: Mutex<HashMap<u64, Heard>>,
+}
+
+impl Peers {
+    /// Peers of the proxy `own` in front of the replicas `urls` (by backend id), forgotten
+    /// `expire` after they were last heard from.
+    pub fn new(own: u64, urls: Vec<String>, expire: Duration) -> Self {
+        Self {
+            own,
+            expire,
+            urls,
+            heard: Mutex::new(HashMap::new()),
+        }
+    }
+
+    /// Takes in a report heard from `from` at `now`, and forgets the peers expired by then.
+    /// Replicas this fleet does not have are ignored; replicas the peer did not report count as
+    /// idle on it.
+    pub fn heard(&self, from: SocketAddr, report: &LoadReport, now: Instant) -> Heeded {
+        let mut heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        heard.retain(|_, h| now.saturating_duration_since(h.at) < self.expire);
+        if report.proxy == self.own {
+            return Heeded::Own;
+        }
+        let mut work = vec![Work::default(); self.urls.len()];
+        for line in &report.backends {
+            let url = line.url.trim_end_matches('/');
+            if let Some(id) = self.urls.iter().position(|u| u == url) {
+                work[id] = line.work;
+            }
+        }
+        heard.insert(
+            report.proxy,
+            Heard {
+                at: now,
+                from,
+                work,
+            },
+        );
+        Heeded::Peer
+    }
+
+    /// The live peers' work summed per replica, by backend id.
+    pub fn foreign(&self, now: Instant) -> Vec<Work> {
+        let mut sum = vec![Work::default(); self.urls.len()];
+        let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        for h in heard.values().filter(|h| self.live(h, now)) {
+            for (s, w) in sum.iter_mut().zip(&h.work) {
+                s.add(w);
+            }
+        }
+        sum
+    }
+
+    fn live(&self, h: &Heard, now: Instant) -> bool {
+        now.saturating_duration_since(h.at) < self.expire
+    }
+
+    /// Every peer heard from and not yet forgotten (a peer that expired shows as not live until
+    /// the next report heard), by id.
+    pub fn states(&self, now: Instant) -> Vec<PeerState> {
+        let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        let mut v: Vec<PeerState> = heard
+            .iter()
+            .map(|(id, h)| PeerState {
+                proxy: *id,
+                address: h.from,
+                age_ms: now.saturating_duration_since(h.at).as_millis() as u64,
+                live: self.live(h, now),
+            })
+            .collect();
+        v.sort_by_key(|p| p.proxy);
+        v
+    }
+}
+
+/// Called with each poll's result: `Some` with what the report was, `None` when it failed.
+pub type OnPoll = std::sync::Arc<dyn Fn(Option<Heeded>) + Send + Sync>;
+
+/// Polls every peer each `cfg.interval_ms` until `stop` turns true. Names are resolved again each
+/// round, so peers that come and go behind one name (pods of a Service) are followed.
+pub async fn poll_loop(
+    peers: std::sync::Arc<Peers>,
+    cfg: PeersConfig,
+    client: reqwest::Client,
+    on_poll: OnPoll,
+    mut stop: watch::Receiver<bool>,
+) {
+    if cfg.addresses.is_empty() {
+        return;
+    }
+    let timeout = Duration::from_millis(cfg.timeout_ms);
+    let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+    loop {
+        tokio::select! {
+            _ = tick.tick() => {}
+            _ = stop.changed() => return,
+        }
+        let mut targets: Vec<SocketAddr> = Vec::new();
+        for a in &cfg.addresses {
+            match tokio::net::lookup_host(a.as_str()).await {
+                Ok(addrs) => targets.extend(addrs),
+                Err(e) => {
+                    tracing::debug!(peer = %a, error = %e, "peer name does not resolve");
+                    on_poll(None);
+                }
+            }
+        }
+        targets.sort();
+        targets.dedup();
+        let polls = targets.into_iter().map(|addr| {
+            let (client, peers, on_poll) = (&client, &peers, &on_poll);
+            async move {
+                let url = format!("http://{addr}/peers/load");
+                let report = async {
+                    let resp = client.get(url).timeout(timeout).send().await.ok()?;
+                    if !resp.status().is_success() {
+                        return None;
+                    }
+                    resp.json::<LoadReport>().await.ok()
+                }
+                .await;
+                match report {
+                    Some(r) => on_poll(Some(peers.heard(addr, &r, Instant::now()))),
+                    None => {
+                        tracing::debug!(peer = %addr, "peer poll failed");
+                        on_poll(None);
+                    }
+                }
+            }
+        });
+        futures_util::future::join_all(polls).await;
+    }
+}
+
+/// A random id for this process, for [`LoadReport::proxy`]: the clock, the process id and a
+/// counter, hashed.
+pub fn process_id() -> u64 {
+    static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
+    let nanos = std::time::SystemTime::now()
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0, |d| d.as_nanos());
+    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
+    xxhash_rust::xxh3::xxh3_64(format!("{}:{nanos}:{n}", std::process::id()).as_bytes())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn report(proxy: u64, lines: &[(&str, u32, u64, u32)]) -> LoadReport {
+        LoadReport {
+            proxy,
+            backends: lines
+                .iter()
+                .map(
+                    |&(url, in_flight, pending_prefill_tokens, decoding)| BackendWork {
+                        url: url.into(),
+                        work: Work {
+                            in_flight,
+                            pending_prefill_tokens,
+                            decoding,
+                        },
+                    },
+                )
+                .collect(),
+        }
+    }
+
+    fn addr(port: u16) -> SocketAddr {
+        SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    #[test]
+    fn live_peers_add_up_per_replica_and_expire() {
+        let urls = vec!["http://a:1".to_owned(), "http://b:2".to_owned()];
+        let peers = Peers::new(7, urls, Duration::from_millis(1000));
+        let t0 = Instant::now();
+        let one = report(
+            1,
+            &[("http://b:2/", 3, 9000, 1), ("http://unknown:9", 5, 5, 5)],
+        );
+        assert_eq!(peers.heard(addr(1), &one, t0), Heeded::Peer);
+        let two = report(2, &[("http://a:1", 1, 0, 1), ("http://b:2", 2, 100, 2)]);
+        peers.heard(addr(2), &two, t0 + Duration::from_millis(600));
+        let at = t0 + Duration::from_millis(700);
+        assert_eq!(
+            peers.foreign(at),
+            vec![
+                Work {
+                    in_flight: 1,
+                    pending_prefill_tokens: 0,
+                    decoding: 1
+                },
+                Work {
+                    in_flight: 5,
+                    pending_prefill_tokens: 9100,
+                    decoding: 3
+                },
+            ]
+        );
+        // Peer 1 is a second old at 1.0 s: only peer 2 counts, and /stats says so.
+        let later = t0 + Duration::from_millis(1000);
+        assert_eq!(peers.foreign(later)[1].pending_prefill_tokens, 100);
+        let states = peers.states(later);
+        assert_eq!(
+            states.iter().map(|s| (s.proxy, s.live)).collect::<Vec<_>>(),
+            vec![(1, false), (2, true)]
+        );
+        // A newer report replaces the older one instead of adding to it.
+        let two_again = report(2, &[("http://b:2", 1, 10, 0)]);
+        peers.heard(addr(3), &two_again, later);
+        assert_eq!(
+            peers.foreign(later),
+            vec![
+                Work::default(),
+                Work {
+                    in_flight: 1,
+                    pending_prefill_tokens: 10,
+                    decoding: 0
+                }
+            ]
+        );
+        assert_eq!(
+            peers.states(later).len(),
+            1,
+            "the expired peer is forgotten"
+        );
+    }
+
+    #[test]
+    fn a_proxy_skips_its_own_report() {
+        let peers = Peers::new(7, vec!["http://a:1".into()], Duration::from_secs(1));
+        let own = report(7, &[("http://a:1", 4, 400, 0)]);
+        let now = Instant::now();
+        assert_eq!(peers.heard(addr(1), &own, now), Heeded::Own);
+        assert_eq!(peers.foreign(now), vec![Work::default()]);
+        assert!(peers.states(now).is_empty());
+    }
+
+    #[test]
+    fn reports_round_trip_as_json() {
+        let r = report(u64::MAX, &[("http://a:1", 1, 2, 3)]);
+        let text = serde_json::to_string(&r).unwrap();
+        assert_eq!(
+            text,
+            format!(
+                r#"{{"proxy":{},"backends":[{{"url":"http://a:1","in_flight":1,"pending_prefill_tokens":2,"decoding":3}}]}}"#,
+                u64::MAX
+            )
+        );
+        assert_eq!(serde_json::from_str::<LoadReport>(&text).unwrap(), r);
+        assert_ne!(process_id(), process_id());
+    }
+}
