@@ -406,6 +406,11 @@ pub struct RoutingConfig {
     pub decode_weight: f64,
     /// Weight of the prefill a request brings against work already queued (`prefix_affinity`).
     pub recompute_weight: f64,
+    /// Replicas whose `prefix_affinity` / `kv_events` cost is within this many tokens of the
+    /// cheapest count as equally good, and the request's hash picks among them: several proxies
+    /// placing simultaneous requests then spread them instead of all choosing the same replica.
+    /// 0: only exact ties (one proxy needs no more).
+    pub spread_tokens: u64,
     /// Prefix-index capacity per replica, in blocks; when absent it is read from the replica's
     /// `vllm:cache_config_info` (and unbounded until then).
     pub index_blocks: Option<u64>,
@@ -426,6 +431,7 @@ impl Default for RoutingConfig {
             hash_seed: 0,
             decode_weight: 8.0,
             recompute_weight: 2.0,
+            spread_tokens: 0,
             index_blocks: None,
             session_header: "x-session-id".into(),
             foreign_load: false,
@@ -1247,11 +1253,26 @@ impl Validate for ServeConfig {
         );
         check(
             e,
-            peers.expire_ms >= 2 * peers.interval_ms,
+            peers.expire_ms
+                >= peers
+                    .interval_ms
+                    .saturating_mul(2)
+                    .saturating_add(peers.timeout_ms),
             &pp,
             "expire_ms",
             peers.expire_ms,
-            "must be at least two poll intervals (one late answer must not drop a live peer)",
+            "must be at least two poll intervals plus timeout_ms (one slow answer must not drop a live peer)",
+        );
+        let loopback = |a: &str| {
+            a.starts_with("127.") || a.starts_with("localhost:") || a.starts_with("[::1]:")
+        };
+        check(
+            e,
+            !loopback(&self.admin_listen) || peers.addresses.iter().all(|a| loopback(a)),
+            p,
+            "admin_listen",
+            &self.admin_listen,
+            "peers on other hosts cannot reach a loopback admin listener: listen on an address they can reach (e.g. 0.0.0.0:9090)",
         );
         check(
             e,
@@ -1802,20 +1823,21 @@ foreign_load = true
 [peers]
 addresses = ["headroom-admin.default.svc:9090", "http://10.0.0.7:9090"]
 interval_ms = 200
-expire_ms = 300
+expire_ms = 500
 "#;
         let err = parse_toml::<ServeConfig>(text, Path::new("h.toml"))
             .unwrap_err()
             .to_string();
         for want in [
             "peers.addresses[1] = http://10.0.0.7:9090: must be host:port",
-            "peers.expire_ms = 300: must be at least two poll intervals",
+            "peers.expire_ms = 500: must be at least two poll intervals plus timeout_ms",
+            "admin_listen = 127.0.0.1:9090: peers on other hosts cannot reach a loopback admin listener",
             "routing.foreign_load = true: set one of routing.foreign_load and peers.addresses",
         ] {
             assert!(err.contains(want), "missing {want:?} in\n{err}");
         }
         assert!(!err.contains("addresses[0]"), "{err}");
-        let ok = "[[backends]]\nurl = \"http://127.0.0.1:8001\"\n[peers]\naddresses = [\"10.0.0.7:9090\"]\n";
+        let ok = "admin_listen = \"0.0.0.0:9090\"\n[[backends]]\nurl = \"http://127.0.0.1:8001\"\n[peers]\naddresses = [\"10.0.0.7:9090\"]\n";
         let c = parse_toml::<ServeConfig>(ok, Path::new("h.toml")).unwrap();
         assert_eq!((c.peers.interval_ms, c.peers.expire_ms), (100, 1_000));
     }

@@ -232,6 +232,7 @@ pub fn build_policy(cfg: &ServeConfig) -> (Arc<dyn RoutingPolicy>, Option<Arc<Mu
         let mut p = PrefixAffinity::new(index);
         p.decode_weight = r.decode_weight;
         p.recompute_weight = r.recompute_weight;
+        p.spread_tokens = r.spread_tokens as f64;
         p
     };
     match r.policy.as_str() {
@@ -539,7 +540,8 @@ impl Generation {
             let polls = metrics.peer_polls.clone();
             let on_poll: OnPoll = Arc::new(move |heeded| {
                 let result = match heeded {
-                    Some(Heeded::Peer) => "ok",
+                    Some(Heeded::Peer { unmatched: 0 }) => "ok",
+                    Some(Heeded::Peer { .. }) => "unmatched",
                     Some(Heeded::Own) => "self",
                     None => "failed",
                 };

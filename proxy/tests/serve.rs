@@ -558,7 +558,8 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
         cfg.health.interval_ms = 200;
         cfg.peers.addresses = peers;
         cfg.peers.interval_ms = 20;
-        cfg.peers.expire_ms = 200;
+        cfg.peers.timeout_ms = 500;
+        cfg.peers.expire_ms = 1000;
         cfg.validated().unwrap()
     };
     let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
@@ -633,31 +634,72 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
     );
     assert_eq!(common::metric(&metrics, "headroom_peers_live"), 1.0);
 
-    // The stream ends: b hears it at the next poll. a stops: b forgets it after expire_ms.
+    // The stream ends: b hears it at the next poll.
     drop(stream);
-    eventually("b to hear the stream ended", || async move {
+    let peer_in_flight = move || async move {
         let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
             .await
             .unwrap()
             .json()
             .await
             .unwrap();
-        s["backends"][busy_id]["peers"]["in_flight"] == 0
+        let live = s["peers"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .any(|p| p["live"] == true);
+        (
+            live,
+            s["backends"][busy_id]["peers"]["in_flight"]
+                .as_u64()
+                .unwrap(),
+        )
+    };
+    eventually("b to hear the stream ended", || async move {
+        peer_in_flight().await == (true, 0)
+    })
+    .await;
+    // a stops with a stream still open on the replica: b stops counting it once a expires.
+    let resp = client()
+        .post(format!("http://{}/v1/completions", a.addr))
+        .json(
+            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
+            "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let busy_id = urls
+        .iter()
+        .position(|u| u.ends_with(resp.headers()["x-headroom-backend"].to_str().unwrap()))
+        .unwrap();
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    let stats_of = move || async move {
+        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
+            .await
+            .unwrap()
+            .json()
+            .await
+            .unwrap();
+        s
+    };
+    eventually("b to hear of a's second stream", || async move {
+        stats_of().await["backends"][busy_id]["peers"]["in_flight"] == 1
     })
     .await;
     a.shutdown().await;
-    eventually("b to stop counting the stopped peer", || async move {
-        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        let peers = s["peers"].as_array().unwrap().clone();
-        peers.iter().all(|p| p["live"] == false)
-            && s["backends"][busy_id]["peers"]["in_flight"] == 0
-    })
+    eventually(
+        "b to stop counting the stopped peer's work",
+        || async move {
+            let s = stats_of().await;
+            let peers = s["peers"].as_array().unwrap().clone();
+            peers.iter().all(|p| p["live"] == false)
+                && s["backends"][busy_id]["peers"]["in_flight"] == 0
+        },
+    )
     .await;
+    drop(stream);
     b.shutdown().await;
     r0.shutdown().await.unwrap();
     r1.shutdown().await.unwrap();

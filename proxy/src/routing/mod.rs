@@ -7,7 +7,9 @@
 //! cost(b) = recompute_weight · (prompt_tokens − matched_tokens(b))   uncached prefill it brings
 //!         + pending_prefill_tokens(b) + foreign_prefill(b)  prefill already queued on b
 //!         + decode_weight · (decoding(b) + foreign_decoding(b))   sequences decoding on b
-//! pick    = argmin cost(b) over healthy b; ties broken by rendezvous hash of the leading block
+//! pick    = argmin cost(b) over healthy b, ties by rendezvous hash of the leading block; with
+//!           spread_tokens > 0, of the b with cost(b) ≤ min cost + spread_tokens, the one the
+//!           rendezvous hash of the last block prefers
 //! ```
 //!
 //! | parameter | meaning | default |
@@ -18,6 +20,7 @@
 //! | `foreign_prefill(b)` | the same for the requests other proxies sent to b, as they last reported it (only with `[peers]`) | 0 |
 //! | `foreign_decoding(b)` | other proxies' requests on b past their first token, as they last reported it (`[peers]`); or, estimated, all their requests on b: the engine's running + waiting minus this proxy's own in flight at the last scrape (`routing.foreign_load`) | 0 |
 //! | `recompute_weight` | how much a token of prefill the request brings counts against a token already queued: 1 minimises this request's own wait; above 1 also charges the recomputation to the requests that will queue behind it | 2 |
+//! | `spread_tokens` | replicas this close to the cheapest count as equally good: spreads simultaneous requests that several proxies place without seeing each other's | 0 |
 //! | `decode_weight` | tokens of prefill one decoding sequence is worth per scheduling decision: its per-step KV read at ~2k context costs about what prefilling 5–10 tokens does on an 8B model | 8 |
 //!
 //! There is no switch between an "affinity mode" and a "load mode": a cached prefix is worth exactly

@@ -155,6 +155,9 @@ pub struct PrefixAffinity {
     pub decode_weight: f64,
     /// Weight of the uncached prefill the request brings, against work already queued.
     pub recompute_weight: f64,
+    /// Replicas whose cost is within this many tokens of the cheapest count as equally good; the
+    /// pick among them is by rendezvous hash of the request (0: only exact ties).
+    pub spread_tokens: f64,
 }
 
 impl Default for PrefixAffinity {
@@ -170,6 +173,7 @@ impl PrefixAffinity {
             index: Mutex::new(index),
             decode_weight: 8.0,
             recompute_weight: 2.0,
+            spread_tokens: 0.0,
         }
     }
 
@@ -197,7 +201,25 @@ impl PrefixAffinity {
         let matched = |b: &BackendView| -> u32 {
             (depth(b.id) as u64 * u64::from(req.block_tokens)).min(u64::from(cap)) as u32
         };
-        let best = least_loaded_by(&h, req.hash_key(), |b| self.cost(req, b, matched(b)));
+        // Within the spread, the request's last block decides: many conversations share their
+        // first blocks (a system prompt), and a key they share would send them all one way.
+        let key = if self.spread_tokens > 0.0 {
+            req.blocks.last().copied().unwrap_or_else(|| req.hash_key())
+        } else {
+            req.hash_key()
+        };
+        let costs: Vec<f64> = h.iter().map(|b| self.cost(req, b, matched(b))).collect();
+        let cheapest = costs.iter().copied().fold(f64::INFINITY, f64::min);
+        // Of the replicas within spread_tokens of the cheapest (exact ties when 0), the one the
+        // request's rendezvous hash prefers: proxies placing simultaneous requests without seeing
+        // each other's then spread them rather than all choosing the same replica.
+        let best = h
+            .iter()
+            .zip(&costs)
+            .filter(|(_, c)| **c <= cheapest + self.spread_tokens)
+            .map(|(b, _)| *b)
+            .max_by_key(|b| rendezvous(key, b.key))
+            .expect("the cheapest replica is within the spread");
         Ok(Pick {
             backend: best.id,
             matched_tokens: matched(best),
@@ -512,6 +534,53 @@ mod tests {
             p.select(&req(&shared, 1700), &f3).unwrap().backend,
             first.backend
         );
+    }
+
+    #[test]
+    fn spread_tokens_lets_the_hash_choose_among_nearly_as_cheap_replicas() {
+        let mut f = fleet(4);
+        // Replica 0 is cheapest by 1,000 tokens of queued prefill, the others equal.
+        for b in &mut f[1..] {
+            b.pending_prefill_tokens = 1000;
+        }
+        let strict = PrefixAffinity::default();
+        let spread = PrefixAffinity {
+            spread_tokens: 1500.0,
+            ..PrefixAffinity::default()
+        };
+        let (mut strict_picks, mut spread_picks) = (Vec::new(), Vec::new());
+        for k in 0..200u64 {
+            let r = req(std::slice::from_ref(&k), 16_000);
+            strict_picks.push(strict.select(&r, &f).unwrap().backend);
+            spread_picks.push(spread.select(&r, &f).unwrap().backend);
+            // The same request always goes to the same replica: a conversation stays together.
+            assert_eq!(
+                spread.select(&r, &f).unwrap().backend,
+                *spread_picks.last().unwrap()
+            );
+        }
+        assert!(
+            strict_picks.iter().all(|&b| b == 0),
+            "argmin without a spread"
+        );
+        for b in 0..4 {
+            let n = spread_picks.iter().filter(|&&p| p == b).count();
+            assert!((25..=75).contains(&n), "replica {b} took {n} of 200");
+        }
+        // Prompts that share their first block (a system prompt) still spread.
+        let mut shared_start = std::collections::HashSet::new();
+        for k in 0..50u64 {
+            let blocks = [7, k];
+            shared_start.insert(spread.select(&req(&blocks, 16_000), &f).unwrap().backend);
+        }
+        assert_eq!(shared_start.len(), 4);
+        // A cached prefix is worth more than the spread: it still decides.
+        let blocks: Vec<u64> = (1000..1500).collect(); // 8,000 tokens
+        spread.with_index(|ix| {
+            (0..4).for_each(|b| ix.set_capacity(b, 10_000));
+            ix.record(2, &blocks);
+        });
+        assert_eq!(spread.select(&req(&blocks, 8100), &f).unwrap().backend, 2);
     }
 
     #[test]

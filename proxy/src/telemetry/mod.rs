@@ -366,7 +366,7 @@ impl Metrics {
             ),
             peer_polls: counter(
                 "headroom_peer_polls_total",
-                "Polls of the peer proxies' work in flight ([peers]), by result: ok, self (this proxy's own address among the peers'), failed.",
+                "Polls of the peer proxies' work in flight ([peers]), by result: ok, unmatched (the report named a replica this proxy does not have: backend URLs must be spelled alike; the rest counted), self (this proxy's own address among the peers'), failed (or a name that did not resolve).",
                 &["result"],
             ),
             peers_live: prometheus::IntGauge::new(
@@ -988,7 +988,10 @@ impl Metrics {
 
     /// Sets the peer gauges from the peers' last reports.
     pub fn refresh_peers(&self, fleet: &Fleet) {
+        // A reload may have dropped [peers] or a replica: no series outlives its source.
+        self.peer_work.reset();
         let Some(peers) = &fleet.peers else {
+            self.peers_live.set(0);
             return;
         };
         let now = std::time::Instant::now();

@@ -16,11 +16,13 @@
 //!
 //! Why polling the peers rather than a shared store: nothing new to run, and no single point of
 //! failure. A peer that stops answering costs its share of the picture after `expire_ms`, never
-//! the routing. Replicas are matched by URL, so every proxy must name them alike. Each proxy
-//! reports only the requests it sent, so nothing is counted twice; it recognises its own report
-//! (a headless Service lists every pod, itself included) by a per-process id and skips it.
+//! the routing. Each address is polled on its own, so a peer that hangs delays no other; names are
+//! resolved again every [`RESOLVE_EVERY`], keeping the last addresses while a lookup fails.
+//! Replicas are matched by URL, so every proxy must name them alike. Each proxy reports only the
+//! requests it sent, so nothing is counted twice; it recognises its own report (a headless Service
+//! lists every pod, itself included) by a random per-process id and skips it.
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap, HashSet};
 use std::net::SocketAddr;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
@@ -43,10 +45,13 @@ pub struct Work {
 }
 
 impl Work {
+    /// Adds another proxy's work; saturating, since the numbers come from the network.
     fn add(&mut self, o: &Work) {
-        self.in_flight += o.in_flight;
-        self.pending_prefill_tokens += o.pending_prefill_tokens;
-        self.decoding += o.decoding;
+        self.in_flight = self.in_flight.saturating_add(o.in_flight);
+        self.pending_prefill_tokens = self
+            .pending_prefill_tokens
+            .saturating_add(o.pending_prefill_tokens);
+        self.decoding = self.decoding.saturating_add(o.decoding);
     }
 }
 
@@ -104,8 +109,12 @@ struct Heard {
 /// What a report changed.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Heeded {
-    /// A peer's report, now counted.
-    Peer,
+    /// A peer's report, now counted; `unmatched` of its lines named a replica this proxy does not
+    /// have (a URL spelled differently, or another fleet) and were ignored.
+    Peer {
+        /// Lines ignored.
+        unmatched: usize,
+    },
     /// This proxy's own report (its address is among the peers'): skipped.
     Own,
 }
@@ -128,8 +137,8 @@ pub struct PeerState {
 pub struct Peers {
     own: u64,
     expire: Duration,
-    /// This fleet's replica URLs, by backend id.
-    urls: Vec<String>,
+    /// This fleet's replicas: backend id by URL.
+    ids: HashMap<String, usize>,
     heard: Mutex<HashMap<u64, Heard>>,
 }
 
@@ -137,44 +146,49 @@ impl Peers {
     /// Peers of the proxy `own` in front of the replicas `urls` (by backend id), forgotten
     /// `expire` after they were last heard from.
     pub fn new(own: u64, urls: Vec<String>, expire: Duration) -> Self {
+        let ids = urls
+            .into_iter()
+            .enumerate()
+            .map(|(id, u)| (u.trim_end_matches('/').to_owned(), id))
+            .collect();
         Self {
             own,
             expire,
-            urls,
+            ids,
             heard: Mutex::new(HashMap::new()),
         }
+    }
+
+    fn replicas(&self) -> usize {
+        self.ids.len()
     }
 
     /// Takes in a report heard from `from` at `now`, and forgets the peers expired by then.
     /// Replicas this fleet does not have are ignored; replicas the peer did not report count as
     /// idle on it.
     pub fn heard(&self, from: SocketAddr, report: &LoadReport, now: Instant) -> Heeded {
-        let mut heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
-        heard.retain(|_, h| now.saturating_duration_since(h.at) < self.expire);
-        if report.proxy == self.own {
-            return Heeded::Own;
-        }
-        let mut work = vec![Work::default(); self.urls.len()];
-        for line in &report.backends {
-            let url = line.url.trim_end_matches('/');
-            if let Some(id) = self.urls.iter().position(|u| u == url) {
-                work[id] = line.work;
+        let own = report.proxy == self.own;
+        let mut work = vec![Work::default(); if own { 0 } else { self.replicas() }];
+        let mut unmatched = 0;
+        for line in report.backends.iter().filter(|_| !own) {
+            match self.ids.get(line.url.trim_end_matches('/')) {
+                Some(&id) => work[id] = line.work,
+                None => unmatched += 1,
             }
         }
-        heard.insert(
-            report.proxy,
-            Heard {
-                at: now,
-                from,
-                work,
-            },
-        );
-        Heeded::Peer
+        let mut heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        heard.retain(|_, h| now.saturating_duration_since(h.at) < self.expire);
+        if own {
+            return Heeded::Own;
+        }
+        let at = now;
+        heard.insert(report.proxy, Heard { at, from, work });
+        Heeded::Peer { unmatched }
     }
 
     /// The live peers' work summed per replica, by backend id.
     pub fn foreign(&self, now: Instant) -> Vec<Work> {
-        let mut sum = vec![Work::default(); self.urls.len()];
+        let mut sum = vec![Work::default(); self.replicas()];
         let heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
         for h in heard.values().filter(|h| self.live(h, now)) {
             for (s, w) in sum.iter_mut().zip(&h.work) {
@@ -209,8 +223,11 @@ impl Peers {
 /// Called with each poll's result: `Some` with what the report was, `None` when it failed.
 pub type OnPoll = std::sync::Arc<dyn Fn(Option<Heeded>) + Send + Sync>;
 
-/// Polls every peer each `cfg.interval_ms` until `stop` turns true. Names are resolved again each
-/// round, so peers that come and go behind one name (pods of a Service) are followed.
+/// How often the peers' names are resolved again (pods come and go behind a headless Service).
+pub const RESOLVE_EVERY: Duration = Duration::from_secs(1);
+
+/// Polls every peer each `cfg.interval_ms` until `stop` turns true. Each address is polled on its
+/// own: one whose last poll is still waiting is skipped this round, and delays no other.
 pub async fn poll_loop(
     peers: std::sync::Arc<Peers>,
     cfg: PeersConfig,
@@ -222,59 +239,94 @@ pub async fn poll_loop(
         return;
     }
     let timeout = Duration::from_millis(cfg.timeout_ms);
+    let mut resolved: HashMap<&str, (Instant, Vec<SocketAddr>)> = HashMap::new();
+    let mut busy: HashSet<SocketAddr> = HashSet::new();
+    let mut polls: tokio::task::JoinSet<SocketAddr> = tokio::task::JoinSet::new();
     let mut tick = tokio::time::interval(Duration::from_millis(cfg.interval_ms));
     tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
     loop {
         tokio::select! {
             _ = tick.tick() => {}
+            Some(done) = polls.join_next() => {
+                if let Ok(addr) = done {
+                    busy.remove(&addr);
+                }
+                continue;
+            }
             _ = stop.changed() => return,
         }
-        let mut targets: Vec<SocketAddr> = Vec::new();
-        for a in &cfg.addresses {
-            match tokio::net::lookup_host(a.as_str()).await {
-                Ok(addrs) => targets.extend(addrs),
-                Err(e) => {
-                    tracing::debug!(peer = %a, error = %e, "peer name does not resolve");
+        for name in &cfg.addresses {
+            let now = Instant::now();
+            let fresh = resolved
+                .get(name.as_str())
+                .is_some_and(|(at, _)| now.saturating_duration_since(*at) < RESOLVE_EVERY);
+            if fresh {
+                continue;
+            }
+            let lookup =
+                tokio::time::timeout(timeout, tokio::net::lookup_host(name.as_str())).await;
+            let entry = resolved
+                .entry(name.as_str())
+                .or_insert_with(|| (now, Vec::new()));
+            entry.0 = now;
+            match lookup {
+                Ok(Ok(addrs)) => entry.1 = addrs.collect(),
+                Ok(Err(e)) => {
+                    tracing::debug!(peer = %name, error = %e, "peer name did not resolve; its last addresses kept");
+                    on_poll(None);
+                }
+                Err(_) => {
+                    tracing::debug!(peer = %name, "peer name lookup timed out; its last addresses kept");
                     on_poll(None);
                 }
             }
         }
-        targets.sort();
-        targets.dedup();
-        let polls = targets.into_iter().map(|addr| {
-            let (client, peers, on_poll) = (&client, &peers, &on_poll);
-            async move {
-                let url = format!("http://{addr}/peers/load");
-                let report = async {
-                    let resp = client.get(url).timeout(timeout).send().await.ok()?;
-                    if !resp.status().is_success() {
-                        return None;
-                    }
-                    resp.json::<LoadReport>().await.ok()
-                }
-                .await;
-                match report {
+        let targets: BTreeSet<SocketAddr> = resolved
+            .values()
+            .flat_map(|(_, a)| a.iter().copied())
+            .collect();
+        for addr in targets {
+            if !busy.insert(addr) {
+                continue;
+            }
+            let (client, peers, on_poll) = (client.clone(), peers.clone(), on_poll.clone());
+            polls.spawn(async move {
+                match poll(&client, addr, timeout).await {
                     Some(r) => on_poll(Some(peers.heard(addr, &r, Instant::now()))),
                     None => {
                         tracing::debug!(peer = %addr, "peer poll failed");
                         on_poll(None);
                     }
                 }
-            }
-        });
-        futures_util::future::join_all(polls).await;
+                addr
+            });
+        }
     }
 }
 
-/// A random id for this process, for [`LoadReport::proxy`]: the clock, the process id and a
-/// counter, hashed.
+/// One peer's report, when it answers in time.
+async fn poll(client: &reqwest::Client, addr: SocketAddr, timeout: Duration) -> Option<LoadReport> {
+    let url = format!("http://{addr}/peers/load");
+    let resp = client.get(url).timeout(timeout).send().await.ok()?;
+    if !resp.status().is_success() {
+        return None;
+    }
+    resp.json::<LoadReport>().await.ok()
+}
+
+/// A random id for this process, for [`LoadReport::proxy`]: std's randomly keyed hasher (keyed
+/// from the OS's randomness) over the clock and a counter.
 pub fn process_id() -> u64 {
+    use std::hash::{BuildHasher, Hasher};
     static CALLS: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
-    let nanos = std::time::SystemTime::now()
-        .duration_since(std::time::UNIX_EPOCH)
-        .map_or(0, |d| d.as_nanos());
-    let n = CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed);
-    xxhash_rust::xxh3::xxh3_64(format!("{}:{nanos}:{n}", std::process::id()).as_bytes())
+    let mut h = std::hash::RandomState::new().build_hasher();
+    h.write_u128(
+        std::time::SystemTime::now()
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0, |d| d.as_nanos()),
+    );
+    h.write_u64(CALLS.fetch_add(1, std::sync::atomic::Ordering::Relaxed));
+    h.finish()
 }
 
 #[cfg(test)]
@@ -313,7 +365,11 @@ mod tests {
             1,
             &[("http://b:2/", 3, 9000, 1), ("http://unknown:9", 5, 5, 5)],
         );
-        assert_eq!(peers.heard(addr(1), &one, t0), Heeded::Peer);
+        assert_eq!(
+            peers.heard(addr(1), &one, t0),
+            Heeded::Peer { unmatched: 1 },
+            "the unknown replica is ignored, and counted"
+        );
         let two = report(2, &[("http://a:1", 1, 0, 1), ("http://b:2", 2, 100, 2)]);
         peers.heard(addr(2), &two, t0 + Duration::from_millis(600));
         let at = t0 + Duration::from_millis(700);
