@@ -34,6 +34,32 @@ fn client() -> reqwest::Client {
     reqwest::Client::new()
 }
 
+/// A 5,000-token stream through the proxy at `addr`, started: the replica it went to (the
+/// `x-headroom-backend` header) and the rest of the stream.
+async fn long_stream(
+    addr: std::net::SocketAddr,
+) -> (
+    String,
+    impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>>,
+) {
+    let resp = client()
+        .post(format!("http://{addr}/v1/completions"))
+        .json(
+            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
+            "ignore_eos": true, "stream": true}),
+        )
+        .send()
+        .await
+        .unwrap();
+    let backend = resp.headers()["x-headroom-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    let mut stream = resp.bytes_stream();
+    stream.next().await.unwrap().unwrap();
+    (backend, stream)
+}
+
 fn chat(system: &str, user: &str, max_tokens: u32, stream: bool) -> Value {
     json!({
         "model": MODEL,
@@ -188,17 +214,7 @@ async fn prefix_affinity_keeps_a_shared_prompt_on_one_replica() {
 async fn client_disconnect_cancels_the_upstream_request() {
     let r = sim(&["--inter-token-latency", "20"]).await;
     let p = proxy(&[r.url()], "least_load", |_| {}).await;
-    let resp = client()
-        .post(format!("http://{}/v1/completions", p.addr))
-        .json(
-            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
-            "ignore_eos": true, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
-    let mut stream = resp.bytes_stream();
-    stream.next().await.unwrap().unwrap();
+    let (_, stream) = long_stream(p.addr).await;
     assert_eq!(engine(&r.url()).await.running, Some(1.0));
     drop(stream);
     let url = r.url();
@@ -570,21 +586,7 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
     b.reload(config(everyone)).await.unwrap();
 
     // A long stream through a.
-    let resp = client()
-        .post(format!("http://{}/v1/completions", a.addr))
-        .json(
-            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
-            "ignore_eos": true, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
-    let busy = resp.headers()["x-headroom-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
-    let mut stream = resp.bytes_stream();
-    stream.next().await.unwrap().unwrap();
+    let (busy, stream) = long_stream(a.addr).await;
     let report: Value = client()
         .get(format!("http://{}/peers/load", a.admin_addr))
         .send()
@@ -597,15 +599,8 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
     assert_eq!(report["backends"][busy_id]["in_flight"], 1, "{report}");
     assert_eq!(report["backends"][busy_id]["decoding"], 1, "{report}");
 
-    let b_admin = b.admin_addr;
-    eventually("b to hear of a's stream", || async move {
-        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        s["backends"][busy_id]["peers"]["in_flight"] == 1
+    eventually("b to hear of a's stream", || async {
+        common::stats(&b).await["backends"][busy_id]["peers"]["in_flight"] == 1
     })
     .await;
     // b, idle itself, sends everything to the other replica: with no word from a, its ties would
@@ -627,7 +622,7 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
             "request {i}"
         );
     }
-    let metrics = common::get_text(&format!("http://{b_admin}/metrics")).await;
+    let metrics = common::get_text(&format!("http://{}/metrics", b.admin_addr)).await;
     assert!(
         metrics.contains("headroom_peer_polls_total{result=\"self\"}"),
         "b found itself among the peers and skipped it"
@@ -636,68 +631,30 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
 
     // The stream ends: b hears it at the next poll.
     drop(stream);
-    let peer_in_flight = move || async move {
-        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
+    eventually("b to hear the stream ended", || async {
+        let s = common::stats(&b).await;
         let live = s["peers"]
             .as_array()
             .unwrap()
             .iter()
             .any(|p| p["live"] == true);
-        (
-            live,
-            s["backends"][busy_id]["peers"]["in_flight"]
-                .as_u64()
-                .unwrap(),
-        )
-    };
-    eventually("b to hear the stream ended", || async move {
-        peer_in_flight().await == (true, 0)
+        live && s["backends"][busy_id]["peers"]["in_flight"] == 0
     })
     .await;
     // a stops with a stream still open on the replica: b stops counting it once a expires.
-    let resp = client()
-        .post(format!("http://{}/v1/completions", a.addr))
-        .json(
-            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
-            "ignore_eos": true, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
-    let busy_id = urls
-        .iter()
-        .position(|u| u.ends_with(resp.headers()["x-headroom-backend"].to_str().unwrap()))
-        .unwrap();
-    let mut stream = resp.bytes_stream();
-    stream.next().await.unwrap().unwrap();
-    let stats_of = move || async move {
-        let s: Value = reqwest::get(format!("http://{b_admin}/stats"))
-            .await
-            .unwrap()
-            .json()
-            .await
-            .unwrap();
-        s
-    };
-    eventually("b to hear of a's second stream", || async move {
-        stats_of().await["backends"][busy_id]["peers"]["in_flight"] == 1
+    let (busy, stream) = long_stream(a.addr).await;
+    let busy_id = urls.iter().position(|u| u.ends_with(&busy)).unwrap();
+    eventually("b to hear of a's second stream", || async {
+        common::stats(&b).await["backends"][busy_id]["peers"]["in_flight"] == 1
     })
     .await;
     a.shutdown().await;
-    eventually(
-        "b to stop counting the stopped peer's work",
-        || async move {
-            let s = stats_of().await;
-            let peers = s["peers"].as_array().unwrap().clone();
-            peers.iter().all(|p| p["live"] == false)
-                && s["backends"][busy_id]["peers"]["in_flight"] == 0
-        },
-    )
+    eventually("b to stop counting the stopped peer's work", || async {
+        let s = common::stats(&b).await;
+        let peers = s["peers"].as_array().unwrap();
+        peers.iter().all(|p| p["live"] == false)
+            && s["backends"][busy_id]["peers"]["in_flight"] == 0
+    })
     .await;
     drop(stream);
     b.shutdown().await;

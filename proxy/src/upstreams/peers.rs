@@ -181,8 +181,14 @@ impl Peers {
         if own {
             return Heeded::Own;
         }
-        let at = now;
-        heard.insert(report.proxy, Heard { at, from, work });
+        heard.insert(
+            report.proxy,
+            Heard {
+                at: now,
+                from,
+                work,
+            },
+        );
         Heeded::Peer { unmatched }
     }
 
