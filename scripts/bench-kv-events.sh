@@ -16,6 +16,8 @@
 #   SHARE=gauges ...  # several proxies see each other's work as estimated from the engines' gauges
 #                     # (routing.foreign_load) instead of polling each other ([peers], the default)
 #   SPREAD=8000 ...   # routing.spread_tokens of every proxy (default 0)
+#   PUSH=0 ...        # peers.push_interval_ms: 0 polls only; default 5 (each proxy pushes its work
+#                     # to the others as it changes, between the 100 ms polls)
 set -euo pipefail
 cd "$(dirname "$0")/.."
 ROWS=${ROWS:-1000}
@@ -36,6 +38,7 @@ case $SHARE in peers | gauges) ;; *) echo "SHARE must be peers or gauges, got $S
 # Proxy k's admin listener, when the proxies poll each other: ADMIN_PORT + k.
 ADMIN_PORT=${ADMIN_PORT:-25757}
 SPREAD=${SPREAD:-0}
+PUSH=${PUSH:-5}
 # Replica i publishes on EVENTS_PORT + i and answers replays on REPLAY_PORT + i.
 EVENTS_PORT=${EVENTS_PORT:-25557}
 REPLAY_PORT=${REPLAY_PORT:-25657}
@@ -88,8 +91,8 @@ run() {
     printf '[routing]\npolicy = "%s"\nforeign_load = %s\nmax_hashed_tokens = %s\nspread_tokens = %s\n' "$policy" \
       "$([ "$n" -gt 1 ] && [ "$SHARE" = gauges ] && echo true || echo false)" "$MAX_HASHED" "$SPREAD"
     if [ "$n" -gt 1 ] && [ "$SHARE" = peers ]; then
-      printf '[peers]\naddresses = [%s]\n' \
-        "$(for k in $(seq "$n"); do printf '"127.0.0.1:%d",' $((ADMIN_PORT + k)); done)"
+      printf '[peers]\naddresses = [%s]\npush_interval_ms = %s\n' \
+        "$(for k in $(seq "$n"); do printf '"127.0.0.1:%d",' $((ADMIN_PORT + k)); done)" "$PUSH"
     fi
   } >"$dir/headroom.toml"
   local proxies=() admins=() serve_pids=()
@@ -129,7 +132,7 @@ run() {
   targets=$(IFS=,; echo "${proxies[*]}")
   if [ "$ENTRY" = first ]; then targets=${proxies[0]}; fi
   $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$targets" --observe "$urls" \
-    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy, spread_tokens $SPREAD; requests through $ENTRY; other proxies' work from $SHARE)" \
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy, spread_tokens $SPREAD; requests through $ENTRY; other proxies' work from $SHARE, push_interval_ms $PUSH)" \
     --out "$dir" >"$dir/replay.txt"
   preemptions >"$dir/preemptions-after.txt"
   for k in $(seq "$n"); do
@@ -144,9 +147,9 @@ for n in $PROXY_COUNTS; do
   for policy in $MULTI_POLICIES; do run "$policy" "$n"; done
 done
 
-python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" "$SHARE" "$SPREAD" <<'PY'
+python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" "$SHARE" "$SPREAD" "$PUSH" <<'PY'
 import glob, json, os, re, sys
-out, working_set, blocks, entry, share, spread = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6]
+out, working_set, blocks, entry, share, spread, push = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
 def run_dirs():
     dirs = [d for d in glob.glob(f"{out}/*-x*") if os.path.exists(f"{d}/result.json")]
     return sorted(dirs, key=lambda d: (int(d.rsplit("-x", 1)[1]), os.path.getmtime(d)))
@@ -184,7 +187,7 @@ contract = json.load(open(f"{run_dirs()[0]}/result.json"))["contract"]
 lines = [
     f"trace: {contract['trace']['path']} (sha256 {contract['trace']['sha256'][:16]}…), {contract['trace']['requests']} requests, time scale {contract['load'].get('time_scale')}",
     "requests through: " + ("every proxy in turn" if entry == "all" else "the first proxy only (ENTRY=first: the others route nothing)"),
-    "other proxies' work (several proxies): " + ("polled from each other every 100 ms ([peers])" if share == "peers" else "estimated from the engines' gauges (routing.foreign_load)"),
+    "other proxies' work (several proxies): " + ("polled from each other every 100 ms ([peers])" + (f", and pushed as it changes (at most every {push} ms)" if push != "0" else ", no pushes") if share == "peers" else "estimated from the engines' gauges (routing.foreign_load)"),
     f"routing.spread_tokens: {spread}",
     f"prefix working set (blocks used by more than one request): {working_set:,} tokens; KV per replica {(blocks - 1) * 16:,} tokens, fleet {(blocks - 1) * 64:,} ({100 * (blocks - 1) * 64 / working_set:.0f}% of the working set)",
     "",

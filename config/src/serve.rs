@@ -497,8 +497,8 @@ impl Default for ScrapeConfig {
 
 /// Other `headroom serve` processes in front of the same replicas. Each proxy serves its own work
 /// in flight per replica (requests, uncached prefill tokens not yet done, sequences decoding) on
-/// its admin listener at `/peers/load`, and polls every peer's; routing adds the peers' work to
-/// its own (docs/routing.md, "Several proxies"). Every proxy needs the same backend URLs, and its
+/// its admin listener at `/peers/load`, pushes it to every peer when it changes, and polls every
+/// peer's; routing adds the peers' work to its own (docs/routing.md, "Several proxies"). Every proxy needs the same backend URLs, and its
 /// admin listener reachable by the others.
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
@@ -509,10 +509,19 @@ pub struct PeersConfig {
     pub addresses: Vec<String>,
     /// Time between polls of every peer.
     pub interval_ms: u64,
+    /// After its own work changes (a request sent, a first token, a request done) a proxy pushes
+    /// its report to every peer at once, then at most once per this many milliseconds while
+    /// changes continue. 0: no pushes, polls only (a peer's new work is then seen up to
+    /// `interval_ms` late).
+    pub push_interval_ms: u64,
     /// A poll slower than this fails.
     pub timeout_ms: u64,
     /// A peer not heard from for this long no longer counts (it stopped, or cannot be reached).
     pub expire_ms: u64,
+    /// The environment variable holding a secret the proxies share: pushes carry it
+    /// (`Authorization: Bearer`), and a push without it is refused. Unset: any client that can
+    /// reach the admin listener can push a report, and so steer routing.
+    pub token_env: Option<String>,
 }
 
 impl Default for PeersConfig {
@@ -520,8 +529,10 @@ impl Default for PeersConfig {
         Self {
             addresses: Vec::new(),
             interval_ms: 100,
+            push_interval_ms: 5,
             timeout_ms: 250,
             expire_ms: 1_000,
+            token_env: None,
         }
     }
 }
@@ -1243,6 +1254,24 @@ impl Validate for ServeConfig {
             peers.interval_ms,
             "must be positive",
         );
+        if let Some(var) = &peers.token_env {
+            check(
+                e,
+                env_is_set(var),
+                &pp,
+                "token_env",
+                var,
+                "the environment variable is not set (or empty)",
+            );
+        }
+        check(
+            e,
+            peers.push_interval_ms < peers.interval_ms,
+            &pp,
+            "push_interval_ms",
+            peers.push_interval_ms,
+            "must be shorter than interval_ms (0 turns pushing off): a push is the quick path, the poll the backstop",
+        );
         check(
             e,
             peers.timeout_ms > 0,
@@ -1823,7 +1852,9 @@ foreign_load = true
 [peers]
 addresses = ["headroom-admin.default.svc:9090", "http://10.0.0.7:9090"]
 interval_ms = 200
+push_interval_ms = 200
 expire_ms = 500
+token_env = "HEADROOM_TEST_UNSET_PEER_TOKEN"
 "#;
         let err = parse_toml::<ServeConfig>(text, Path::new("h.toml"))
             .unwrap_err()
@@ -1831,6 +1862,8 @@ expire_ms = 500
         for want in [
             "peers.addresses[1] = http://10.0.0.7:9090: must be host:port",
             "peers.expire_ms = 500: must be at least two poll intervals plus timeout_ms",
+            "peers.push_interval_ms = 200: must be shorter than interval_ms",
+            "peers.token_env = HEADROOM_TEST_UNSET_PEER_TOKEN: the environment variable is not set",
             "admin_listen = 127.0.0.1:9090: peers on other hosts cannot reach a loopback admin listener",
             "routing.foreign_load = true: set one of routing.foreign_load and peers.addresses",
         ] {
@@ -1839,7 +1872,14 @@ expire_ms = 500
         assert!(!err.contains("addresses[0]"), "{err}");
         let ok = "admin_listen = \"0.0.0.0:9090\"\n[[backends]]\nurl = \"http://127.0.0.1:8001\"\n[peers]\naddresses = [\"10.0.0.7:9090\"]\n";
         let c = parse_toml::<ServeConfig>(ok, Path::new("h.toml")).unwrap();
-        assert_eq!((c.peers.interval_ms, c.peers.expire_ms), (100, 1_000));
+        assert_eq!(
+            (
+                c.peers.interval_ms,
+                c.peers.push_interval_ms,
+                c.peers.expire_ms
+            ),
+            (100, 5, 1_000)
+        );
     }
 
     #[test]

@@ -160,7 +160,7 @@ impl Keys {
 }
 
 /// The token of an `Authorization: Bearer <token>` header (scheme case-insensitive).
-fn bearer_token(value: &[u8]) -> Option<&[u8]> {
+pub(crate) fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     let (scheme, rest) = value.split_at_checked(7)?;
     if !scheme.eq_ignore_ascii_case(b"bearer ") {
         return None;

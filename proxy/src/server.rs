@@ -36,7 +36,7 @@ use crate::telemetry::capture::Capture;
 use crate::telemetry::stats::Stats;
 use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
 use crate::upstreams::kv_events::{EventSource, subscribe_loop};
-use crate::upstreams::peers::{Heeded, LoadReport, OnPoll, Peers, poll_loop};
+use crate::upstreams::peers::{Heeded, LoadReport, OnPoll, OnPush, Peers, poll_loop, push_loop};
 use crate::upstreams::{Backend, Fleet};
 
 /// Why the proxy could not start.
@@ -378,6 +378,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     );
     let mut admin_stop = stop_rx;
     tasks.push(tokio::spawn(async move {
+        let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
         let _ = axum::serve(admin_listener, admin)
             .with_graceful_shutdown(async move {
                 let _ = admin_stop.wait_for(|s| *s).await;
@@ -409,11 +410,20 @@ impl Generation {
             Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
         fleet.count_foreign = cfg.routing.foreign_load;
         let peers = (!cfg.peers.addresses.is_empty()).then(|| {
-            Arc::new(Peers::new(
-                shared.proxy_id,
-                fleet.backends.iter().map(|b| b.url.clone()).collect(),
-                Duration::from_millis(cfg.peers.expire_ms),
-            ))
+            Arc::new(
+                Peers::new(
+                    shared.proxy_id,
+                    fleet.backends.iter().map(|b| b.url.clone()).collect(),
+                    Duration::from_millis(cfg.peers.expire_ms),
+                )
+                // Validated as set when the config was read.
+                .with_token(
+                    cfg.peers
+                        .token_env
+                        .as_ref()
+                        .and_then(|v| std::env::var(v).ok()),
+                ),
+            )
         });
         fleet.peers = peers.clone();
         let fleet = Arc::new(fleet);
@@ -539,14 +549,23 @@ impl Generation {
         if let Some(peers) = peers {
             let polls = metrics.peer_polls.clone();
             let on_poll: OnPoll = Arc::new(move |heeded| {
-                let result = match heeded {
-                    Some(Heeded::Peer { unmatched: 0 }) => "ok",
-                    Some(Heeded::Peer { .. }) => "unmatched",
-                    Some(Heeded::Own) => "self",
-                    None => "failed",
-                };
+                let result = heeded.map_or("failed", Heeded::result);
                 polls.with_label_values(&[result]).inc();
             });
+            let pushes = metrics.peer_pushes.clone();
+            let on_push: OnPush = Arc::new(move |ok| {
+                let result = if ok { "ok" } else { "failed" };
+                pushes.with_label_values(&["sent", result]).inc();
+            });
+            tasks.push(tokio::spawn(push_loop(
+                peers.clone(),
+                fleet.clone(),
+                shared.proxy_id,
+                cfg.peers.clone(),
+                http.clone(),
+                on_push,
+                stop_rx.clone(),
+            )));
             tasks.push(tokio::spawn(poll_loop(
                 peers,
                 cfg.peers.clone(),
@@ -842,6 +861,8 @@ fn admin_router(
     live: watch::Receiver<Live>,
 ) -> Router {
     let (ready_live, metrics_live, peers_live) = (live.clone(), live.clone(), live.clone());
+    let pushed_live = live.clone();
+    let pushes = metrics.peer_pushes.clone();
     let stats_metrics = metrics.clone();
     let metrics_stats = stats.clone();
     Router::new()
@@ -973,7 +994,40 @@ fn admin_router(
             get(move || {
                 let fleet = peers_live.borrow().fleet.clone();
                 async move { axum::Json(LoadReport::of(proxy_id, &fleet)) }
-            }),
+            })
+            .post(
+                move |axum::extract::ConnectInfo(from): axum::extract::ConnectInfo<SocketAddr>,
+                      headers: http::HeaderMap,
+                      axum::Json(report): axum::Json<LoadReport>| {
+                    let peers = pushed_live.borrow().fleet.peers.clone();
+                    let pushes = pushes.clone();
+                    async move {
+                        let Some(peers) = peers else {
+                            pushes.with_label_values(&["received", "refused"]).inc();
+                            return (StatusCode::NOT_FOUND, "this proxy has no [peers]\n")
+                                .into_response();
+                        };
+                        let authorization = headers
+                            .get(http::header::AUTHORIZATION)
+                            .map(|v| v.as_bytes());
+                        if !peers.admits(authorization) {
+                            pushes
+                                .with_label_values(&["received", "unauthorized"])
+                                .inc();
+                            return (
+                                StatusCode::UNAUTHORIZED,
+                                "a push needs the peers' token (peers.token_env)\n",
+                            )
+                                .into_response();
+                        }
+                        let heeded = peers.heard(from, &report, std::time::Instant::now());
+                        pushes
+                            .with_label_values(&["received", heeded.result()])
+                            .inc();
+                        StatusCode::NO_CONTENT.into_response()
+                    }
+                },
+            ),
         )
         .route("/healthz", get(|| async { "ok\n" }))
         .route(

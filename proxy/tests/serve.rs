@@ -661,3 +661,81 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
     r0.shutdown().await.unwrap();
     r1.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn proxies_push_their_work_to_each_other_between_polls() {
+    let (r0, r1) = (
+        sim(&["--inter-token-latency", "20"]).await,
+        sim(&["--inter-token-latency", "20"]).await,
+    );
+    let urls = [r0.url(), r1.url()];
+    // Polls once a minute: within the test only the first poll and pushes can carry news.
+    let config = |peers: Vec<String>| {
+        let mut cfg = ServeConfig::quick("127.0.0.1:0", &urls, "least_load");
+        cfg.admin_listen = "127.0.0.1:0".into();
+        cfg.health.interval_ms = 200;
+        cfg.peers.addresses = peers;
+        cfg.peers.interval_ms = 60_000;
+        cfg.peers.push_interval_ms = 5;
+        cfg.peers.timeout_ms = 500;
+        cfg.peers.expire_ms = 600_000;
+        cfg.validated().unwrap()
+    };
+    let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
+    let mut b = headroom_proxy::start(config(vec![])).await.unwrap();
+    let everyone = vec![a.admin_addr.to_string(), b.admin_addr.to_string()];
+    a.reload(config(everyone.clone())).await.unwrap();
+    b.reload(config(everyone)).await.unwrap();
+    // The first polls, which find the addresses (and each proxy itself among them).
+    for p in [&a, &b] {
+        eventually("the first polls", || async {
+            let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+            m.contains("headroom_peer_polls_total{result=\"self\"}")
+                && common::metric(&m, "headroom_peers_live") == 1.0
+        })
+        .await;
+    }
+
+    let (busy, stream) = long_stream(a.addr).await;
+    let busy_id = urls.iter().position(|u| u.ends_with(&busy)).unwrap();
+    eventually("b to hear of a's stream from a push", || async {
+        common::stats(&b).await["backends"][busy_id]["peers"]["in_flight"] == 1
+    })
+    .await;
+    let resp = client()
+        .post(format!("http://{}/v1/completions", b.addr))
+        .json(&json!({"model": MODEL, "prompt": words(20, "q"), "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_ne!(resp.headers()["x-headroom-backend"], busy.as_str());
+    drop(stream);
+    eventually("b to hear the stream ended from a push", || async {
+        common::stats(&b).await["backends"][busy_id]["peers"]["in_flight"] == 0
+    })
+    .await;
+
+    let sent = common::get_text(&format!("http://{}/metrics", a.admin_addr)).await;
+    let got = common::get_text(&format!("http://{}/metrics", b.admin_addr)).await;
+    let pushes = |m: &str, labels: &str| {
+        common::metric(m, &format!("headroom_peer_pushes_total{{{labels}}}"))
+    };
+    assert!(
+        pushes(&sent, "direction=\"sent\",result=\"ok\"") >= 2.0,
+        "{sent}"
+    );
+    assert!(
+        pushes(&got, "direction=\"received\",result=\"ok\"") >= 2.0,
+        "{got}"
+    );
+    for m in [&sent, &got] {
+        assert!(
+            !m.contains("direction=\"received\",result=\"self\""),
+            "no proxy pushes to itself once a poll found it: {m}"
+        );
+    }
+    a.shutdown().await;
+    b.shutdown().await;
+    r0.shutdown().await.unwrap();
+    r1.shutdown().await.unwrap();
+}

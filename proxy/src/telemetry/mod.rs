@@ -54,6 +54,8 @@ pub struct Metrics {
     pub routed: IntCounterVec,
     /// Polls of peer proxies' work (`[peers]`), by result.
     pub peer_polls: IntCounterVec,
+    /// Pushes of work between peer proxies, by direction and result.
+    pub peer_pushes: IntCounterVec,
     /// Peer proxies heard from recently enough to count.
     pub peers_live: prometheus::IntGauge,
     /// Work peer proxies report on each replica.
@@ -366,8 +368,13 @@ impl Metrics {
             ),
             peer_polls: counter(
                 "headroom_peer_polls_total",
-                "Polls of the peer proxies' work in flight ([peers]), by result: ok, unmatched (the report named a replica this proxy does not have: backend URLs must be spelled alike; the rest counted), self (this proxy's own address among the peers'), failed (or a name that did not resolve).",
+                "Polls of the peer proxies' work in flight ([peers]), by result: ok, unmatched (the report named a replica this proxy does not have: backend URLs must be spelled alike; the rest counted), self (this proxy's own address among the peers'), stale (older than a report already heard from that peer, skipped), failed (or a name that did not resolve).",
                 &["result"],
+            ),
+            peer_pushes: counter(
+                "headroom_peer_pushes_total",
+                "Reports of work in flight pushed between peer proxies ([peers]), by direction (sent, received) and result: sent ok or failed; received ok, unmatched, self, stale (older than one already heard, skipped), unauthorized (without the peers' token) or refused (this proxy has no [peers]).",
+                &["direction", "result"],
             ),
             peers_live: prometheus::IntGauge::new(
                 "headroom_peers_live",
@@ -699,6 +706,7 @@ impl Metrics {
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),
             Box::new(m.peer_polls.clone()),
+            Box::new(m.peer_pushes.clone()),
             Box::new(m.peers_live.clone()),
             Box::new(m.peer_work.clone()),
             Box::new(m.routed_prompt_tokens.clone()),

@@ -59,6 +59,8 @@ pub struct Backend {
     pub engine: Mutex<Scraped>,
     /// Model names the replica serves (`/v1/models`), once known.
     models: Mutex<Option<Vec<String>>>,
+    /// The fleet's [`Fleet::work_changed`].
+    work_changed: Arc<tokio::sync::Notify>,
 }
 
 /// The proxy's view of the work it sent to a replica, with the time integral of in-flight
@@ -143,7 +145,11 @@ impl Backend {
         self.addr()
     }
 
-    fn new(id: BackendId, cfg: &BackendConfig) -> Result<Self, String> {
+    fn new(
+        id: BackendId,
+        cfg: &BackendConfig,
+        work_changed: Arc<tokio::sync::Notify>,
+    ) -> Result<Self, String> {
         let authority = cfg.authority().to_owned();
         let addr = match authority.to_socket_addrs() {
             Ok(mut addrs) => addrs.next(),
@@ -194,6 +200,7 @@ impl Backend {
             }),
             engine: Mutex::new(Scraped::default()),
             models: Mutex::new(None),
+            work_changed,
         })
     }
 
@@ -261,6 +268,7 @@ impl InFlight {
             l.in_flight += 1;
             l.pending_prefill_tokens += uncached_prefill_tokens;
         });
+        backend.work_changed.notify_one();
         Self {
             backend,
             pending_prefill_tokens: uncached_prefill_tokens,
@@ -283,6 +291,7 @@ impl InFlight {
             l.pending_prefill_tokens -= pending;
             l.decoding += 1;
         });
+        self.backend.work_changed.notify_one();
         self.decoding = true;
     }
 
@@ -300,6 +309,7 @@ impl Drop for InFlight {
             l.pending_prefill_tokens -= pending;
             l.decoding -= u32::from(decoding);
         });
+        self.backend.work_changed.notify_one();
     }
 }
 
@@ -315,19 +325,24 @@ pub struct Fleet {
     pub count_foreign: bool,
     /// Other proxies' work as they report it; when set, it is what routing views count.
     pub peers: Option<Arc<peers::Peers>>,
+    /// Notified whenever this proxy's own work on a replica changes (a request sent, its first
+    /// token, its end), for the push to peers.
+    pub work_changed: Arc<tokio::sync::Notify>,
 }
 
 impl Fleet {
     /// The fleet of `backends`; a host name that does not resolve yet leaves its replica unhealthy
     /// until a later health probe resolves it.
     pub fn new(backends: &[BackendConfig], health: HealthConfig) -> Result<Self, String> {
+        let work_changed = Arc::new(tokio::sync::Notify::new());
         let backends = backends
             .iter()
             .enumerate()
-            .map(|(i, b)| Backend::new(i, b).map(Arc::new))
+            .map(|(i, b)| Backend::new(i, b, work_changed.clone()).map(Arc::new))
             .collect::<Result<_, _>>()?;
         Ok(Self {
             backends,
+            work_changed,
             health,
             epoch: Instant::now(),
             count_foreign: false,
@@ -491,6 +506,7 @@ mod tests {
         assert_eq!(f.views()[1].foreign, Foreign::default());
         let report = peers::LoadReport {
             proxy: 2,
+            seq: 1,
             backends: vec![peers::BackendWork {
                 url: "http://127.0.0.1:9001".into(),
                 work: peers::Work {

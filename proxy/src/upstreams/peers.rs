@@ -1,6 +1,6 @@
 //! Other proxies' work in flight on each replica, shared over the admin listeners: each proxy serves
-//! its own per-replica counts at `/peers/load`, polls every peer's, and routing adds the peers'
-//! work to its own.
+//! its own per-replica counts at `/peers/load`, pushes them to every peer when they change, polls
+//! every peer's, and routing adds the peers' work to its own.
 //!
 //! ```text
 //! foreign(b) = Σ over peers p heard from within expire_ms of  work_p(b)
@@ -10,13 +10,18 @@
 //! | parameter | meaning | default |
 //! |---|---|---|
 //! | `peers.addresses` | the peers' admin listeners; a name resolving to several addresses means each | none |
-//! | `peers.interval_ms` | time between polls: how late a peer's new work is seen, at most | 100 |
+//! | `peers.interval_ms` | time between polls: how late a peer's new work is seen when a push is lost | 100 |
+//! | `peers.push_interval_ms` | after a change in its own work a proxy pushes its report at once, then at most once per this (0: polls only) | 5 |
 //! | `peers.timeout_ms` | a slower poll fails | 250 |
 //! | `peers.expire_ms` | a peer not heard from for this long counts no more | 1000 |
 //!
-//! Why polling the peers rather than a shared store: nothing new to run, and no single point of
-//! failure. A peer that stops answering costs its share of the picture after `expire_ms`, never
-//! the routing. Each address is polled on its own, so a peer that hangs delays no other; names are
+//! Why the peers' own listeners rather than a shared store: nothing new to run, and no single point
+//! of failure. A peer that stops answering costs its share of the picture after `expire_ms`, never
+//! the routing. Why push as well as poll: proxies behind one Service place a burst's requests at
+//! the same moment, and a poll shows each only the work of earlier bursts; a push reaches the
+//! others a loopback or network round trip after the dispatch. Polls stay, so a lost push costs at
+//! most one interval, and every report carries a per-process sequence number, so an older report
+//! (a slow poll) never replaces a newer one (a push). Each address is polled on its own, so a peer that hangs delays no other; names are
 //! resolved again every [`RESOLVE_EVERY`], keeping the last addresses while a lookup fails.
 //! Replicas are matched by URL, so every proxy must name them alike. Each proxy reports only the
 //! requests it sent, so nothing is counted twice; it recognises its own report (a headless Service
@@ -65,11 +70,16 @@ pub struct BackendWork {
     pub work: Work,
 }
 
-/// `GET /peers/load` on the admin listener: this proxy's own work on each replica.
+/// `GET /peers/load` on the admin listener, and the body of a push (`POST /peers/load`): this
+/// proxy's own work on each replica.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct LoadReport {
     /// The reporting process's id (random per process), so a proxy skips its own report.
     pub proxy: u64,
+    /// Increases with every report a process makes, so a receiver keeps the newest (0: unknown,
+    /// always taken).
+    #[serde(default)]
+    pub seq: u64,
     /// One line per replica.
     pub backends: Vec<BackendWork>,
 }
@@ -77,8 +87,10 @@ pub struct LoadReport {
 impl LoadReport {
     /// The report of `fleet`'s own counts, by the proxy `proxy`.
     pub fn of(proxy: u64, fleet: &Fleet) -> Self {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
         Self {
             proxy,
+            seq: SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
             backends: fleet
                 .backends
                 .iter()
@@ -103,6 +115,7 @@ impl LoadReport {
 struct Heard {
     at: Instant,
     from: SocketAddr,
+    seq: u64,
     work: Vec<Work>,
 }
 
@@ -117,6 +130,20 @@ pub enum Heeded {
     },
     /// This proxy's own report (its address is among the peers'): skipped.
     Own,
+    /// A peer's report older than one already heard from it (a slow poll behind a push): skipped.
+    Stale,
+}
+
+impl Heeded {
+    /// Its name in the `result` label of the peer metrics.
+    pub fn result(self) -> &'static str {
+        match self {
+            Self::Peer { unmatched: 0 } => "ok",
+            Self::Peer { .. } => "unmatched",
+            Self::Own => "self",
+            Self::Stale => "stale",
+        }
+    }
 }
 
 /// A peer as `/stats` shows it.
@@ -124,7 +151,7 @@ pub enum Heeded {
 pub struct PeerState {
     /// Its process id.
     pub proxy: u64,
-    /// Where it was last heard from.
+    /// Where it was last heard from: the address polled, or the source of a push.
     pub address: SocketAddr,
     /// Milliseconds since.
     pub age_ms: u64,
@@ -140,6 +167,16 @@ pub struct Peers {
     /// This fleet's replicas: backend id by URL.
     ids: HashMap<String, usize>,
     heard: Mutex<HashMap<u64, Heard>>,
+    /// Where the peers were last resolved to, and which of those addresses are this proxy's own.
+    addresses: Mutex<Addresses>,
+    /// The shared secret pushes carry (`peers.token_env`), and its digest to check theirs by.
+    token: Option<(String, [u8; 32])>,
+}
+
+#[derive(Debug, Default)]
+struct Addresses {
+    all: BTreeSet<SocketAddr>,
+    own: HashSet<SocketAddr>,
 }
 
 impl Peers {
@@ -156,7 +193,40 @@ impl Peers {
             expire,
             ids,
             heard: Mutex::new(HashMap::new()),
+            addresses: Mutex::new(Addresses::default()),
+            token: None,
         }
+    }
+
+    /// Pushes carry `token` and must carry it to be taken (None: no secret).
+    pub fn with_token(mut self, token: Option<String>) -> Self {
+        use sha2::Digest;
+        self.token = token.map(|t| {
+            let digest = sha2::Sha256::digest(t.as_bytes()).into();
+            (t, digest)
+        });
+        self
+    }
+
+    /// The secret this proxy's pushes carry.
+    pub fn token(&self) -> Option<&str> {
+        self.token.as_ref().map(|(t, _)| t.as_str())
+    }
+
+    /// Whether a push with this `Authorization` header may be taken: always without a secret,
+    /// else only with it (compared by digest in constant time).
+    pub fn admits(&self, authorization: Option<&[u8]>) -> bool {
+        use sha2::Digest;
+        use subtle::ConstantTimeEq;
+        let Some((_, want)) = &self.token else {
+            return true;
+        };
+        authorization
+            .and_then(crate::auth::bearer_token)
+            .is_some_and(|t| {
+                let got: [u8; 32] = sha2::Sha256::digest(t).into();
+                bool::from(got.ct_eq(want))
+            })
     }
 
     fn replicas(&self) -> usize {
@@ -181,15 +251,43 @@ impl Peers {
         if own {
             return Heeded::Own;
         }
+        let last = heard.get(&report.proxy).map_or(0, |h| h.seq);
+        if report.seq != 0 && report.seq < last {
+            return Heeded::Stale;
+        }
         heard.insert(
             report.proxy,
             Heard {
                 at: now,
                 from,
+                seq: report.seq,
                 work,
             },
         );
         Heeded::Peer { unmatched }
+    }
+
+    /// Records where the peers' names resolve to now.
+    pub fn resolved(&self, all: BTreeSet<SocketAddr>) {
+        let mut a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        a.own.retain(|x| all.contains(x));
+        a.all = all;
+    }
+
+    /// Records that the report polled from `addr` was this proxy's own.
+    pub fn is_own(&self, addr: SocketAddr) {
+        let mut a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        a.own.insert(addr);
+    }
+
+    /// The addresses to push to: every peer's, less this proxy's own once a poll has found it.
+    pub fn push_targets(&self) -> Vec<SocketAddr> {
+        let a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        a.all
+            .iter()
+            .filter(|x| !a.own.contains(x))
+            .copied()
+            .collect()
     }
 
     /// The live peers' work summed per replica, by backend id.
@@ -291,6 +389,7 @@ pub async fn poll_loop(
             .values()
             .flat_map(|(_, a)| a.iter().copied())
             .collect();
+        peers.resolved(targets.clone());
         for addr in targets {
             if !busy.insert(addr) {
                 continue;
@@ -298,7 +397,13 @@ pub async fn poll_loop(
             let (client, peers, on_poll) = (client.clone(), peers.clone(), on_poll.clone());
             polls.spawn(async move {
                 match poll(&client, addr, timeout).await {
-                    Some(r) => on_poll(Some(peers.heard(addr, &r, Instant::now()))),
+                    Some(r) => {
+                        let heeded = peers.heard(addr, &r, Instant::now());
+                        if heeded == Heeded::Own {
+                            peers.is_own(addr);
+                        }
+                        on_poll(Some(heeded));
+                    }
                     None => {
                         tracing::debug!(peer = %addr, "peer poll failed");
                         on_poll(None);
@@ -318,6 +423,106 @@ async fn poll(client: &reqwest::Client, addr: SocketAddr, timeout: Duration) -> 
         return None;
     }
     resp.json::<LoadReport>().await.ok()
+}
+
+/// Called with each push's result: whether the peer took it.
+pub type OnPush = std::sync::Arc<dyn Fn(bool) + Send + Sync>;
+
+/// Pushes this proxy's report to every peer when its own work changes (`fleet.work_changed`): at
+/// once after a quiet spell, then at most once per `cfg.push_interval_ms`, so a burst of changes
+/// costs one push per interval and its last state always goes out. A peer whose last push is still
+/// waiting is skipped, and another round follows when that push ends, so it still gets the latest
+/// state. Returns at once when pushing is off.
+pub async fn push_loop(
+    peers: std::sync::Arc<Peers>,
+    fleet: std::sync::Arc<Fleet>,
+    own: u64,
+    cfg: PeersConfig,
+    client: reqwest::Client,
+    on_push: OnPush,
+    mut stop: watch::Receiver<bool>,
+) {
+    if cfg.addresses.is_empty() || cfg.push_interval_ms == 0 {
+        return;
+    }
+    let (timeout, spacing) = (
+        Duration::from_millis(cfg.timeout_ms),
+        Duration::from_millis(cfg.push_interval_ms),
+    );
+    let changed = fleet.work_changed.clone();
+    let mut busy: HashSet<SocketAddr> = HashSet::new();
+    // Peers skipped while busy: they are owed the state that changed meanwhile.
+    let mut owed: HashSet<SocketAddr> = HashSet::new();
+    let mut pushes: tokio::task::JoinSet<SocketAddr> = tokio::task::JoinSet::new();
+    let finished = |done: Result<SocketAddr, tokio::task::JoinError>,
+                    busy: &mut HashSet<SocketAddr>,
+                    owed: &mut HashSet<SocketAddr>| {
+        if let Ok(addr) = done {
+            busy.remove(&addr);
+            if owed.remove(&addr) {
+                changed.notify_one();
+            }
+        }
+    };
+    loop {
+        tokio::select! {
+            _ = changed.notified() => {}
+            Some(done) = pushes.join_next() => {
+                finished(done, &mut busy, &mut owed);
+                continue;
+            }
+            _ = stop.changed() => return,
+        }
+        while let Some(done) = pushes.try_join_next() {
+            finished(done, &mut busy, &mut owed);
+        }
+        let body = match serde_json::to_vec(&LoadReport::of(own, &fleet)) {
+            Ok(b) => bytes::Bytes::from(b),
+            Err(_) => continue,
+        };
+        for addr in peers.push_targets() {
+            if !busy.insert(addr) {
+                owed.insert(addr);
+                continue;
+            }
+            let (client, body, on_push) = (client.clone(), body.clone(), on_push.clone());
+            let token = peers.token().map(str::to_owned);
+            pushes.spawn(async move {
+                let ok = push(&client, addr, body, token.as_deref(), timeout).await;
+                if !ok {
+                    tracing::debug!(peer = %addr, "push to peer failed");
+                }
+                on_push(ok);
+                addr
+            });
+        }
+        // Changes during the pause leave the notification set: the next round sends their sum.
+        tokio::select! {
+            _ = tokio::time::sleep(spacing) => {}
+            _ = stop.changed() => return,
+        }
+    }
+}
+
+/// One push of this proxy's report; whether the peer took it in time.
+async fn push(
+    client: &reqwest::Client,
+    addr: SocketAddr,
+    body: bytes::Bytes,
+    token: Option<&str>,
+    timeout: Duration,
+) -> bool {
+    let mut req = client
+        .post(format!("http://{addr}/peers/load"))
+        .header(http::header::CONTENT_TYPE, "application/json");
+    if let Some(t) = token {
+        req = req.bearer_auth(t);
+    }
+    req.body(body)
+        .timeout(timeout)
+        .send()
+        .await
+        .is_ok_and(|r| r.status().is_success())
 }
 
 /// A random id for this process, for [`LoadReport::proxy`]: std's randomly keyed hasher (keyed
@@ -342,6 +547,7 @@ mod tests {
     fn report(proxy: u64, lines: &[(&str, u32, u64, u32)]) -> LoadReport {
         LoadReport {
             proxy,
+            seq: 0,
             backends: lines
                 .iter()
                 .map(
@@ -424,6 +630,63 @@ mod tests {
     }
 
     #[test]
+    fn an_older_report_never_replaces_a_newer_one() {
+        let peers = Peers::new(7, vec!["http://a:1".into()], Duration::from_secs(1));
+        let now = Instant::now();
+        let with_seq = |seq, in_flight| LoadReport {
+            seq,
+            ..report(1, &[("http://a:1", in_flight, 0, 0)])
+        };
+        // A push made after the poll's report arrives first.
+        assert_eq!(
+            peers.heard(addr(1), &with_seq(9, 3), now),
+            Heeded::Peer { unmatched: 0 }
+        );
+        assert_eq!(peers.heard(addr(1), &with_seq(8, 1), now), Heeded::Stale);
+        assert_eq!(peers.foreign(now)[0].in_flight, 3);
+        assert_eq!(
+            peers.heard(addr(1), &with_seq(10, 0), now),
+            Heeded::Peer { unmatched: 0 }
+        );
+        assert_eq!(peers.foreign(now)[0].in_flight, 0);
+        // A peer that numbers nothing (0) is always taken.
+        peers.heard(addr(1), &with_seq(0, 5), now);
+        assert_eq!(peers.foreign(now)[0].in_flight, 5);
+    }
+
+    #[test]
+    fn pushes_go_to_every_peer_but_this_proxy() {
+        let peers = Peers::new(7, vec!["http://a:1".into()], Duration::from_secs(1));
+        peers.resolved([addr(1), addr(2), addr(3)].into());
+        assert_eq!(peers.push_targets(), vec![addr(1), addr(2), addr(3)]);
+        peers.is_own(addr(2));
+        assert_eq!(peers.push_targets(), vec![addr(1), addr(3)]);
+        // The name moved: the old own address is forgotten with it.
+        peers.resolved([addr(1), addr(4)].into());
+        peers.resolved([addr(1), addr(2)].into());
+        assert_eq!(peers.push_targets(), vec![addr(1), addr(2)]);
+    }
+
+    #[test]
+    fn with_a_token_only_pushes_that_carry_it_are_taken() {
+        let open = Peers::new(7, vec![], Duration::from_secs(1));
+        assert!(open.admits(None), "no secret: anyone");
+        let closed =
+            Peers::new(7, vec![], Duration::from_secs(1)).with_token(Some("s3cret".into()));
+        assert_eq!(closed.token(), Some("s3cret"));
+        assert!(closed.admits(Some(b"Bearer s3cret")));
+        assert!(closed.admits(Some(b"bearer  s3cret ")));
+        for wrong in [
+            None,
+            Some(&b"Bearer s3cre"[..]),
+            Some(b"s3cret"),
+            Some(b"Basic s3cret"),
+        ] {
+            assert!(!closed.admits(wrong), "{wrong:?}");
+        }
+    }
+
+    #[test]
     fn a_proxy_skips_its_own_report() {
         let peers = Peers::new(7, vec!["http://a:1".into()], Duration::from_secs(1));
         let own = report(7, &[("http://a:1", 4, 400, 0)]);
@@ -440,11 +703,14 @@ mod tests {
         assert_eq!(
             text,
             format!(
-                r#"{{"proxy":{},"backends":[{{"url":"http://a:1","in_flight":1,"pending_prefill_tokens":2,"decoding":3}}]}}"#,
+                r#"{{"proxy":{},"seq":0,"backends":[{{"url":"http://a:1","in_flight":1,"pending_prefill_tokens":2,"decoding":3}}]}}"#,
                 u64::MAX
             )
         );
         assert_eq!(serde_json::from_str::<LoadReport>(&text).unwrap(), r);
+        // A report from a build before sequence numbers reads as 0 (always taken).
+        let old = text.replace(r#""seq":0,"#, "");
+        assert_eq!(serde_json::from_str::<LoadReport>(&old).unwrap(), r);
         assert_ne!(process_id(), process_id());
     }
 }
