@@ -511,16 +511,17 @@ pub struct PeersConfig {
     pub interval_ms: u64,
     /// After its own work changes (a request sent, a first token, a request done) a proxy pushes
     /// its report to every peer at once, then at most once per this many milliseconds while
-    /// changes continue. 0: no pushes, polls only (a peer's new work is then seen up to
-    /// `interval_ms` late).
+    /// changes continue. 0: this proxy pushes nothing, and its peers see its new work up to
+    /// `interval_ms` late (it still takes their pushes).
     pub push_interval_ms: u64,
-    /// A poll slower than this fails.
+    /// A poll or a push slower than this fails.
     pub timeout_ms: u64,
     /// A peer not heard from for this long no longer counts (it stopped, or cannot be reached).
     pub expire_ms: u64,
     /// The environment variable holding a secret the proxies share: pushes carry it
-    /// (`Authorization: Bearer`), and a push without it is refused. Unset: any client that can
-    /// reach the admin listener can push a report, and so steer routing.
+    /// (`Authorization: Bearer`, in the clear: use it on a network you trust), and a push without
+    /// it is refused. Pushes are taken only from the addresses the peers' names resolve to, with
+    /// or without it.
     pub token_env: Option<String>,
 }
 

@@ -852,6 +852,54 @@ async fn accept_loop(
     }
 }
 
+/// The largest push taken: a report is ~100 bytes per replica.
+const PUSH_BODY_LIMIT: usize = 64 * 1024;
+
+/// A peer's push (`POST /peers/load`), checked before its body is read as a report: the status to
+/// answer, the `result` label, and what to tell a refused sender.
+fn take_push(
+    peers: Option<&Peers>,
+    from: SocketAddr,
+    headers: &http::HeaderMap,
+    body: &[u8],
+) -> (StatusCode, &'static str, Option<&'static str>) {
+    let Some(peers) = peers else {
+        return (
+            StatusCode::NOT_FOUND,
+            "refused",
+            Some("this proxy has no [peers]"),
+        );
+    };
+    if !peers.knows(from.ip()) {
+        return (
+            StatusCode::FORBIDDEN,
+            "unknown",
+            Some("pushes are taken from the addresses of peers.addresses only"),
+        );
+    }
+    let authorization = headers
+        .get(http::header::AUTHORIZATION)
+        .map(|v| v.as_bytes());
+    if !peers.admits(authorization) {
+        return (
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            Some("a push needs the peers' token (peers.token_env)"),
+        );
+    }
+    match serde_json::from_slice::<LoadReport>(body) {
+        Ok(report) => {
+            let heeded = peers.heard(from, &report, std::time::Instant::now());
+            (StatusCode::NO_CONTENT, heeded.result(), None)
+        }
+        Err(_) => (
+            StatusCode::BAD_REQUEST,
+            "invalid",
+            Some("the body is not a load report"),
+        ),
+    }
+}
+
 fn admin_router(
     lifecycle: Arc<Lifecycle>,
     metrics: Arc<Metrics>,
@@ -998,36 +1046,21 @@ fn admin_router(
             .post(
                 move |axum::extract::ConnectInfo(from): axum::extract::ConnectInfo<SocketAddr>,
                       headers: http::HeaderMap,
-                      axum::Json(report): axum::Json<LoadReport>| {
+                      body: bytes::Bytes| {
                     let peers = pushed_live.borrow().fleet.peers.clone();
                     let pushes = pushes.clone();
                     async move {
-                        let Some(peers) = peers else {
-                            pushes.with_label_values(&["received", "refused"]).inc();
-                            return (StatusCode::NOT_FOUND, "this proxy has no [peers]\n")
-                                .into_response();
-                        };
-                        let authorization = headers
-                            .get(http::header::AUTHORIZATION)
-                            .map(|v| v.as_bytes());
-                        if !peers.admits(authorization) {
-                            pushes
-                                .with_label_values(&["received", "unauthorized"])
-                                .inc();
-                            return (
-                                StatusCode::UNAUTHORIZED,
-                                "a push needs the peers' token (peers.token_env)\n",
-                            )
-                                .into_response();
+                        let (status, result, why) =
+                            take_push(peers.as_deref(), from, &headers, &body);
+                        pushes.with_label_values(&["received", result]).inc();
+                        match why {
+                            None => status.into_response(),
+                            Some(why) => (status, format!("{why}\n")).into_response(),
                         }
-                        let heeded = peers.heard(from, &report, std::time::Instant::now());
-                        pushes
-                            .with_label_values(&["received", heeded.result()])
-                            .inc();
-                        StatusCode::NO_CONTENT.into_response()
                     }
                 },
-            ),
+            )
+            .layer(axum::extract::DefaultBodyLimit::max(PUSH_BODY_LIMIT)),
         )
         .route("/healthz", get(|| async { "ok\n" }))
         .route(

@@ -683,6 +683,28 @@ async fn proxies_push_their_work_to_each_other_between_polls() {
     };
     let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
     let mut b = headroom_proxy::start(config(vec![])).await.unwrap();
+    let push = |from: &str, to: &ServeHandle| {
+        let client = reqwest::Client::builder()
+            .local_address(from.parse::<std::net::IpAddr>().unwrap())
+            .build()
+            .unwrap();
+        let url = format!("http://{}/peers/load", to.admin_addr);
+        async move {
+            let report = json!({"proxy": 1, "seq": 1, "backends": []});
+            client
+                .post(url)
+                .json(&report)
+                .send()
+                .await
+                .unwrap()
+                .status()
+        }
+    };
+    assert_eq!(
+        push("127.0.0.1", &a).await,
+        404,
+        "a proxy without [peers] takes no push"
+    );
     let everyone = vec![a.admin_addr.to_string(), b.admin_addr.to_string()];
     a.reload(config(everyone.clone())).await.unwrap();
     b.reload(config(everyone)).await.unwrap();
@@ -696,6 +718,8 @@ async fn proxies_push_their_work_to_each_other_between_polls() {
         .await;
     }
 
+    // Loopback holds all of 127/8: a push from an address no peer name resolves to is refused.
+    assert_eq!(push("127.0.0.2", &b).await, 403);
     let (busy, stream) = long_stream(a.addr).await;
     let busy_id = urls.iter().position(|u| u.ends_with(&busy)).unwrap();
     eventually("b to hear of a's stream from a push", || async {

@@ -87,10 +87,14 @@ pub struct LoadReport {
 impl LoadReport {
     /// The report of `fleet`'s own counts, by the proxy `proxy`.
     pub fn of(proxy: u64, fleet: &Fleet) -> Self {
-        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(1);
+        // The number and the reading are taken under one lock, so a higher number always holds a
+        // later reading (a poll's report and a push's are built concurrently).
+        static SEQ: Mutex<u64> = Mutex::new(0);
+        let mut seq = SEQ.lock().unwrap_or_else(|e| e.into_inner());
+        *seq += 1;
         Self {
             proxy,
-            seq: SEQ.fetch_add(1, std::sync::atomic::Ordering::Relaxed),
+            seq: *seq,
             backends: fleet
                 .backends
                 .iter()
@@ -177,6 +181,9 @@ pub struct Peers {
 struct Addresses {
     all: BTreeSet<SocketAddr>,
     own: HashSet<SocketAddr>,
+    /// Peers whose last push failed: no more pushes until a poll of them succeeds (a peer that
+    /// refuses, answers 401/404, or runs a build without pushes would otherwise get one per change).
+    failing: HashSet<SocketAddr>,
 }
 
 impl Peers {
@@ -271,23 +278,47 @@ impl Peers {
     pub fn resolved(&self, all: BTreeSet<SocketAddr>) {
         let mut a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
         a.own.retain(|x| all.contains(x));
+        a.failing.retain(|x| all.contains(x));
         a.all = all;
     }
 
-    /// Records that the report polled from `addr` was this proxy's own.
-    pub fn is_own(&self, addr: SocketAddr) {
+    /// Records what a poll of `addr` found: this proxy's own report, or a peer's (which makes a
+    /// peer whose pushes failed a push target again).
+    pub fn polled(&self, addr: SocketAddr, heeded: Heeded) {
         let mut a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
-        a.own.insert(addr);
+        match heeded {
+            Heeded::Own => {
+                a.own.insert(addr);
+            }
+            Heeded::Peer { .. } | Heeded::Stale => {
+                a.failing.remove(&addr);
+            }
+        }
     }
 
-    /// The addresses to push to: every peer's, less this proxy's own once a poll has found it.
+    /// Records that a push to `addr` failed: none more until a poll of it succeeds.
+    pub fn push_failed(&self, addr: SocketAddr) {
+        let mut a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        a.failing.insert(addr);
+    }
+
+    /// The addresses to push to: every peer's, less this proxy's own once a poll has found it,
+    /// and less those whose last push failed.
     pub fn push_targets(&self) -> Vec<SocketAddr> {
         let a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
         a.all
             .iter()
-            .filter(|x| !a.own.contains(x))
+            .filter(|x| !a.own.contains(x) && !a.failing.contains(x))
             .copied()
             .collect()
+    }
+
+    /// Whether a push from `ip` may come from a peer: one of the addresses the peers' names
+    /// resolved to at the last lookup.
+    pub fn knows(&self, ip: std::net::IpAddr) -> bool {
+        let a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        let ip = ip.to_canonical();
+        a.all.iter().any(|x| x.ip().to_canonical() == ip)
     }
 
     /// The live peers' work summed per replica, by backend id.
@@ -399,9 +430,7 @@ pub async fn poll_loop(
                 match poll(&client, addr, timeout).await {
                     Some(r) => {
                         let heeded = peers.heard(addr, &r, Instant::now());
-                        if heeded == Heeded::Own {
-                            peers.is_own(addr);
-                        }
+                        peers.polled(addr, heeded);
                         on_poll(Some(heeded));
                     }
                     None => {
@@ -432,7 +461,8 @@ pub type OnPush = std::sync::Arc<dyn Fn(bool) + Send + Sync>;
 /// once after a quiet spell, then at most once per `cfg.push_interval_ms`, so a burst of changes
 /// costs one push per interval and its last state always goes out. A peer whose last push is still
 /// waiting is skipped, and another round follows when that push ends, so it still gets the latest
-/// state. Returns at once when pushing is off.
+/// state. A peer whose push failed gets none until a poll of it succeeds. Returns at once when
+/// pushing is off.
 pub async fn push_loop(
     peers: std::sync::Arc<Peers>,
     fleet: std::sync::Arc<Fleet>,
@@ -450,51 +480,54 @@ pub async fn push_loop(
         Duration::from_millis(cfg.push_interval_ms),
     );
     let changed = fleet.work_changed.clone();
-    let mut busy: HashSet<SocketAddr> = HashSet::new();
+    // The peer each push in flight goes to, by task (a task that panicked still frees its peer).
+    let mut busy: HashMap<tokio::task::Id, SocketAddr> = HashMap::new();
     // Peers skipped while busy: they are owed the state that changed meanwhile.
     let mut owed: HashSet<SocketAddr> = HashSet::new();
-    let mut pushes: tokio::task::JoinSet<SocketAddr> = tokio::task::JoinSet::new();
-    let finished = |done: Result<SocketAddr, tokio::task::JoinError>,
-                    busy: &mut HashSet<SocketAddr>,
-                    owed: &mut HashSet<SocketAddr>| {
-        if let Ok(addr) = done {
-            busy.remove(&addr);
-            if owed.remove(&addr) {
-                changed.notify_one();
-            }
-        }
+    let mut pushes: tokio::task::JoinSet<()> = tokio::task::JoinSet::new();
+    let task_id = |done: &Result<(tokio::task::Id, ()), tokio::task::JoinError>| match done {
+        Ok((id, ())) => *id,
+        Err(e) => e.id(),
     };
     loop {
         tokio::select! {
             _ = changed.notified() => {}
-            Some(done) = pushes.join_next() => {
-                finished(done, &mut busy, &mut owed);
+            Some(done) = pushes.join_next_with_id() => {
+                if let Some(addr) = busy.remove(&task_id(&done))
+                    && owed.remove(&addr)
+                {
+                    changed.notify_one();
+                }
                 continue;
             }
             _ = stop.changed() => return,
         }
-        while let Some(done) = pushes.try_join_next() {
-            finished(done, &mut busy, &mut owed);
+        // Pushes that ended meanwhile: this round brings their peers up to date.
+        while let Some(done) = pushes.try_join_next_with_id() {
+            if let Some(addr) = busy.remove(&task_id(&done)) {
+                owed.remove(&addr);
+            }
         }
         let body = match serde_json::to_vec(&LoadReport::of(own, &fleet)) {
             Ok(b) => bytes::Bytes::from(b),
             Err(_) => continue,
         };
         for addr in peers.push_targets() {
-            if !busy.insert(addr) {
+            if busy.values().any(|a| *a == addr) {
                 owed.insert(addr);
                 continue;
             }
             let (client, body, on_push) = (client.clone(), body.clone(), on_push.clone());
-            let token = peers.token().map(str::to_owned);
-            pushes.spawn(async move {
+            let (peers, token) = (peers.clone(), peers.token().map(str::to_owned));
+            let task = pushes.spawn(async move {
                 let ok = push(&client, addr, body, token.as_deref(), timeout).await;
                 if !ok {
-                    tracing::debug!(peer = %addr, "push to peer failed");
+                    tracing::debug!(peer = %addr, "push to peer failed; none more until a poll of it succeeds");
+                    peers.push_failed(addr);
                 }
                 on_push(ok);
-                addr
             });
+            busy.insert(task.id(), addr);
         }
         // Changes during the pause leave the notification set: the next round sends their sum.
         tokio::select! {
@@ -659,12 +692,20 @@ mod tests {
         let peers = Peers::new(7, vec!["http://a:1".into()], Duration::from_secs(1));
         peers.resolved([addr(1), addr(2), addr(3)].into());
         assert_eq!(peers.push_targets(), vec![addr(1), addr(2), addr(3)]);
-        peers.is_own(addr(2));
+        peers.polled(addr(2), Heeded::Own);
+        assert_eq!(peers.push_targets(), vec![addr(1), addr(3)]);
+        // A peer that refused a push gets none until a poll of it succeeds.
+        peers.push_failed(addr(3));
+        assert_eq!(peers.push_targets(), vec![addr(1)]);
+        peers.polled(addr(3), Heeded::Peer { unmatched: 0 });
         assert_eq!(peers.push_targets(), vec![addr(1), addr(3)]);
         // The name moved: the old own address is forgotten with it.
         peers.resolved([addr(1), addr(4)].into());
         peers.resolved([addr(1), addr(2)].into());
         assert_eq!(peers.push_targets(), vec![addr(1), addr(2)]);
+        // Pushes are taken from the peers' addresses only.
+        assert!(peers.knows(addr(2).ip()));
+        assert!(!peers.knows("10.1.2.3".parse().unwrap()));
     }
 
     #[test]
