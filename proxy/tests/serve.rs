@@ -561,6 +561,22 @@ async fn a_slow_starting_replica_shows_its_cold_start() {
     replica.shutdown().await.unwrap();
 }
 
+/// A `least_load` proxy in front of `urls` with the peers at `addresses` (admin listener on port 0,
+/// 500 ms poll and push timeout), the rest of `[peers]` as `tune` sets it.
+fn peers_config(
+    urls: &[String],
+    addresses: Vec<String>,
+    tune: impl FnOnce(&mut headroom_config::serve::PeersConfig),
+) -> ServeConfig {
+    let mut cfg = ServeConfig::quick("127.0.0.1:0", urls, "least_load");
+    cfg.admin_listen = "127.0.0.1:0".into();
+    cfg.health.interval_ms = 200;
+    cfg.peers.addresses = addresses;
+    cfg.peers.timeout_ms = 500;
+    tune(&mut cfg.peers);
+    cfg.validated().unwrap()
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn proxies_that_poll_each_other_route_around_each_others_work() {
     let (r0, r1) = (
@@ -568,15 +584,11 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
         sim(&["--inter-token-latency", "20"]).await,
     );
     let urls = [r0.url(), r1.url()];
-    let config = |peers: Vec<String>| {
-        let mut cfg = ServeConfig::quick("127.0.0.1:0", &urls, "least_load");
-        cfg.admin_listen = "127.0.0.1:0".into();
-        cfg.health.interval_ms = 200;
-        cfg.peers.addresses = peers;
-        cfg.peers.interval_ms = 20;
-        cfg.peers.timeout_ms = 500;
-        cfg.peers.expire_ms = 1000;
-        cfg.validated().unwrap()
+    let config = |addresses| {
+        peers_config(&urls, addresses, |p| {
+            p.interval_ms = 20;
+            p.expire_ms = 1000;
+        })
     };
     let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
     let mut b = headroom_proxy::start(config(vec![])).await.unwrap();
@@ -670,16 +682,12 @@ async fn proxies_push_their_work_to_each_other_between_polls() {
     );
     let urls = [r0.url(), r1.url()];
     // Polls once a minute: within the test only the first poll and pushes can carry news.
-    let config = |peers: Vec<String>| {
-        let mut cfg = ServeConfig::quick("127.0.0.1:0", &urls, "least_load");
-        cfg.admin_listen = "127.0.0.1:0".into();
-        cfg.health.interval_ms = 200;
-        cfg.peers.addresses = peers;
-        cfg.peers.interval_ms = 60_000;
-        cfg.peers.push_interval_ms = 5;
-        cfg.peers.timeout_ms = 500;
-        cfg.peers.expire_ms = 600_000;
-        cfg.validated().unwrap()
+    let config = |addresses| {
+        peers_config(&urls, addresses, |p| {
+            p.interval_ms = 60_000;
+            p.push_interval_ms = 5;
+            p.expire_ms = 600_000;
+        })
     };
     let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
     let mut b = headroom_proxy::start(config(vec![])).await.unwrap();
