@@ -106,8 +106,9 @@ impl ServeHandle {
 
     /// Serves `cfg` from now on, without a restart and without touching a request in progress:
     /// new connections get the new config; a keep-alive connection of the old one closes after its
-    /// current response; requests already in progress finish on the old one. The replicas' state
-    /// (health, load, prefix index, admission caps, KV event picture) starts afresh from `cfg`.
+    /// current response; requests already in progress finish on the old one. A replica both
+    /// configs name keeps its state (health, ejection, work in flight, admissions, prefix
+    /// history: docs/proxy.md#reload); the KV event picture is rebuilt from the engines' replay.
     /// `listen`, `admin_listen` and `[capture]` need a restart: a change to them is refused, as is
     /// a config that cannot be built; either way the old config keeps serving.
     pub async fn reload(&mut self, cfg: ServeConfig) -> Result<(), ServeError> {
@@ -131,7 +132,12 @@ impl ServeHandle {
             lifecycle: self.lifecycle.clone(),
             proxy_id: self.proxy_id,
         };
-        let next = Generation::start(Arc::new(cfg), &shared)?;
+        let next = Generation::start(Arc::new(cfg), &shared, Some(&self.generation))?;
+        if let (Some(old), Some(new)) = (&self.generation.live.admission, &next.live.admission) {
+            let pairs = next.live.fleet.same_replicas(&self.generation.live.fleet);
+            let learned = self.generation.cfg.admission == next.cfg.admission;
+            old.hand_over(new, &pairs, learned);
+        }
         let _ = self.live.send(next.live.clone());
         let old = std::mem::replace(&mut self.generation, next);
         old.retire();
@@ -256,6 +262,57 @@ pub fn build_policy(cfg: &ServeConfig) -> (Arc<dyn RoutingPolicy>, Option<Arc<Mu
     }
 }
 
+/// Copies the approximate prefix index's history of every replica `previous` and `fleet` share
+/// into `policy`'s, when both policies keep one and hash requests the same way (otherwise the
+/// old hashes would match nothing).
+fn carry_history(
+    previous: &Generation,
+    fleet: &Fleet,
+    cfg: &ServeConfig,
+    policy: &dyn RoutingPolicy,
+) {
+    let (Some(old), Some(new)) = (previous.live.policy.history(), policy.history()) else {
+        return;
+    };
+    if hashing(&previous.cfg) != hashing(cfg) {
+        tracing::info!("request hashing changed: the prefix index starts empty");
+        return;
+    }
+    let pairs = fleet.same_replicas(&previous.live.fleet);
+    old.with_index(|o| {
+        new.with_index(|n| {
+            for &(from, to) in &pairs {
+                o.copy_replica(from, n, to);
+            }
+        });
+    });
+}
+
+/// What decides a request's block hashes (see [`inspect_config`]); two configs with equal values
+/// hash every request alike.
+fn hashing(cfg: &ServeConfig) -> impl PartialEq + use<> {
+    let k = &cfg.kv_events;
+    let events = cfg.routing.policy == "kv_events";
+    (
+        cfg.routing.block_tokens,
+        events,
+        if events {
+            k.hash_seed
+        } else {
+            cfg.routing.hash_seed
+        },
+        events.then(|| {
+            (
+                k.hash.clone(),
+                k.tokenizer.clone(),
+                k.chat_template.clone(),
+                k.python_hash_seed.clone(),
+                k.salt_keys.clone(),
+            )
+        }),
+    )
+}
+
 /// How requests are hashed: the engine's own chain under `kv_events` (so request-side hashes
 /// equal the ones the engine publishes), headroom's model-seeded chain otherwise. Loads the
 /// model's tokenizer for vLLM's chain.
@@ -332,7 +389,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         proxy_id: crate::upstreams::peers::process_id(),
         metrics,
     };
-    let generation = Generation::start(cfg.clone(), &shared)?;
+    let generation = Generation::start(cfg.clone(), &shared, None)?;
     let tls = tls_acceptor(&cfg)?;
 
     let bind = |addr: String| async move {
@@ -404,10 +461,20 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
 }
 
 impl Generation {
-    /// Builds everything `cfg` describes and starts its background loops.
-    fn start(cfg: Arc<ServeConfig>, shared: &Shared) -> Result<Self, ServeError> {
+    /// Builds everything `cfg` describes and starts its background loops. After a reload
+    /// (`previous`: the config serving until now), each replica the two configs share keeps its
+    /// state ([`Fleet::carry_from`]), and the approximate prefix index keeps its history when
+    /// requests are hashed the same way.
+    fn start(
+        cfg: Arc<ServeConfig>,
+        shared: &Shared,
+        previous: Option<&Generation>,
+    ) -> Result<Self, ServeError> {
         let mut fleet =
             Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
+        if let Some(p) = previous {
+            fleet.carry_from(&p.live.fleet);
+        }
         fleet.count_foreign = cfg.routing.foreign_load;
         let peers = (!cfg.peers.addresses.is_empty()).then(|| {
             Arc::new(
@@ -428,6 +495,9 @@ impl Generation {
         fleet.peers = peers.clone();
         let fleet = Arc::new(fleet);
         let (policy, kv_index) = build_policy(&cfg);
+        if let Some(p) = previous {
+            carry_history(p, &fleet, &cfg, policy.as_ref());
+        }
         let index_policy = policy.clone();
         let metrics = &shared.metrics;
         let a = &cfg.admission;

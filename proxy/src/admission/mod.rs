@@ -102,6 +102,44 @@ struct Inner {
     /// Completions per second, smoothed, for Retry-After.
     done_rate: f64,
     last_done: Option<Instant>,
+    /// Set once a reload replaced this admission (see [`Admission::hand_over`]).
+    successor: Option<Successor>,
+}
+
+/// The admission that replaced a retired one, and where each of its replicas went there.
+#[derive(Debug)]
+struct Successor {
+    admission: Arc<Admission>,
+    /// Each replica's slot there (None: the new config dropped it).
+    slots: Vec<Option<usize>>,
+}
+
+impl Inner {
+    /// Where a change to replica `b`'s count must also be made: its slot in the admission that
+    /// replaced this one, if any.
+    fn onward(&self, b: usize) -> Option<(Arc<Admission>, usize)> {
+        let s = self.successor.as_ref()?;
+        Some((s.admission.clone(), s.slots.get(b).copied().flatten()?))
+    }
+}
+
+/// Makes a permit taken (`taken`) or released on a retired admission count in the admissions that
+/// replaced it, newest included: each takes its own lock in turn, so a handover that happens
+/// meanwhile either inherited the change already or forwards it.
+fn carry_on(mut next: Option<(Arc<Admission>, usize)>, taken: bool, tokens: u64) {
+    while let Some((admission, b)) = next.take() {
+        let mut g = admission.lock();
+        let slot = &mut g.slots[b];
+        if taken {
+            slot.in_flight += 1;
+            slot.tokens = slot.tokens.saturating_add(tokens);
+        } else {
+            slot.in_flight = slot.in_flight.saturating_sub(1);
+            slot.tokens = slot.tokens.saturating_sub(tokens);
+            wake_first(&mut g, 1);
+        }
+        next = g.onward(b);
+    }
 }
 
 /// The fleet's admission state.
@@ -131,6 +169,9 @@ impl Drop for Permit {
         }
         g.last_done = Some(now);
         wake_first(&mut g, 1);
+        let onward = g.onward(self.backend);
+        drop(g);
+        carry_on(onward, false, self.tokens);
     }
 }
 
@@ -227,6 +268,7 @@ impl Admission {
                 next_seq: 0,
                 done_rate: 0.0,
                 last_done: None,
+                successor: None,
             }),
         })
     }
@@ -285,6 +327,9 @@ impl Admission {
                                     wake_first(&mut g, 1);
                                 }
                             }
+                            let onward = g.onward(b);
+                            drop(g);
+                            carry_on(onward, true, ask.tokens);
                             return Ok(Permit {
                                 admission: self.clone(),
                                 backend: b,
@@ -428,6 +473,49 @@ impl Admission {
             .iter()
             .map(|s| (s.cap.cap(), s.in_flight))
             .collect()
+    }
+
+    /// Hands this admission's counts over to `next`, the admission of the config that replaces
+    /// it: for each replica both have (`pairs`: id here, id there), `next` counts the requests
+    /// admitted here as its own, and from now on every permit taken or released here is counted
+    /// there too, so a reload neither forgets the requests still running under the old config
+    /// nor admits a full new set beside them. With `learned`, each such replica's cap, the
+    /// context its requests take and its token budget come over too (for an unchanged
+    /// `[admission]`; otherwise they start from the new config). Requests still queued here are
+    /// admitted by this admission's own counts, which leave out the new config's requests.
+    pub fn hand_over(
+        self: &Arc<Self>,
+        next: &Arc<Admission>,
+        pairs: &[(usize, usize)],
+        learned: bool,
+    ) {
+        if Arc::ptr_eq(self, next) {
+            return;
+        }
+        let mut g = self.lock();
+        if g.successor.is_some() {
+            return;
+        }
+        let mut n = next.lock();
+        let mut slots = vec![None; g.slots.len()];
+        for &(here, there) in pairs {
+            let (Some(from), Some(to)) = (g.slots.get(here), n.slots.get_mut(there)) else {
+                continue;
+            };
+            slots[here] = Some(there);
+            to.in_flight += from.in_flight;
+            to.tokens = to.tokens.saturating_add(from.tokens);
+            if learned {
+                to.cap = from.cap.clone();
+                to.context = from.context.clone();
+                to.token_budget = from.token_budget;
+            }
+        }
+        drop(n);
+        g.successor = Some(Successor {
+            admission: next.clone(),
+            slots,
+        });
     }
 
     /// Requests waiting, by class.
@@ -691,5 +779,73 @@ mod tests {
         drop(huge);
         assert_eq!(tokens(&a), vec![(Some(1_000), 0)]);
         assert_eq!(a.slots(), vec![(Some(100), 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_reload_hands_its_running_requests_to_the_new_admission() {
+        // The old config has replicas 0 and 1; the new one keeps old 1 as its 0 and adds one.
+        let old = admission(2, 4);
+        let kept = |room: &[Room]| -> Result<Pick, ()> {
+            Ok(if room[1].free {
+                Pick::Backend(1)
+            } else {
+                Pick::NoRoom
+            })
+        };
+        let running = [
+            old.acquire(&ask("c", 0), kept).await.unwrap(),
+            old.acquire(&ask("c", 0), kept).await.unwrap(),
+        ];
+        let elsewhere = old.acquire(&ask("c", 0), first).await.unwrap();
+        assert_eq!(elsewhere.backend, 0);
+        let new = admission(2, 2);
+        old.hand_over(&new, &[(1, 0)], false);
+        // The two requests running on the kept replica fill its new cap of 2 (not learned: the
+        // cap is the new config's); the dropped replica's request counts nowhere new.
+        assert_eq!(new.slots(), vec![(Some(2), 2), (Some(2), 0)]);
+        assert_eq!(tokens(&new)[0].1, 200);
+        let new2 = new.clone();
+        let only_0 = |room: &[Room]| -> Result<Pick, ()> {
+            Ok(if room[0].free {
+                Pick::Backend(0)
+            } else {
+                Pick::NoRoom
+            })
+        };
+        let waiting = tokio::spawn(async move { new2.acquire(&ask("c", 0), only_0).await });
+        tokio::task::yield_now().await;
+        assert_eq!(
+            new.queued().values().sum::<usize>(),
+            1,
+            "the old requests hold the room"
+        );
+        // One of them ends under the old config: the new one's waiter takes its place.
+        let [first_old, second_old] = running;
+        drop(first_old);
+        let admitted = waiting.await.unwrap().unwrap();
+        assert_eq!(new.slots()[0], (Some(2), 2));
+        // A permit the old admission still grants (a request queued there before the reload)
+        // counts in the new one too, and through a second reload into the newest.
+        let late = old.acquire(&ask("c", 0), kept).await.unwrap();
+        assert_eq!(new.slots()[0], (Some(2), 3));
+        let newest = admission(1, 8);
+        new.hand_over(&newest, &[(0, 0)], true);
+        assert_eq!(
+            newest.slots(),
+            vec![(Some(2), 3)],
+            "learned: the cap came over"
+        );
+        drop((late, second_old));
+        assert_eq!(new.slots()[0], (Some(2), 1));
+        assert_eq!(newest.slots(), vec![(Some(2), 1)]);
+        drop(admitted);
+        assert_eq!(newest.slots(), vec![(Some(2), 0)]);
+        assert_eq!(tokens(&newest), vec![(None, 0)]);
+        assert_eq!(old.slots(), vec![(Some(4), 1), (Some(4), 0)]);
+        drop(elsewhere);
+        assert_eq!(newest.slots(), vec![(Some(2), 0)]);
+        // A second handover of the same admission changes nothing.
+        old.hand_over(&newest, &[(0, 0)], false);
+        assert_eq!(newest.slots(), vec![(Some(2), 0)]);
     }
 }

@@ -142,6 +142,12 @@ pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
     fn index_blocks(&self, _backend: BackendId) -> Option<usize> {
         None
     }
+
+    /// The approximate prefix index, for policies that keep one (a reload carries its history
+    /// over to the next config's policy).
+    fn history(&self) -> Option<&PrefixAffinity> {
+        None
+    }
 }
 
 /// The healthy replicas, or why there are none.

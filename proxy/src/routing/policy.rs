@@ -250,6 +250,10 @@ impl RoutingPolicy for PrefixAffinity {
     fn index_blocks(&self, backend: BackendId) -> Option<usize> {
         Some(self.with_index(|ix| ix.len(backend)))
     }
+
+    fn history(&self) -> Option<&PrefixAffinity> {
+        Some(self)
+    }
 }
 
 /// Prefix affinity fed by the engines' KV events: the same cost as [`PrefixAffinity`], with each
@@ -325,6 +329,10 @@ impl RoutingPolicy for KvEvents {
 
     fn index_blocks(&self, backend: BackendId) -> Option<usize> {
         self.approx.index_blocks(backend)
+    }
+
+    fn history(&self) -> Option<&PrefixAffinity> {
+        Some(&self.approx)
     }
 }
 

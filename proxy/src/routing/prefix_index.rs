@@ -217,6 +217,30 @@ impl PrefixIndex {
         }
     }
 
+    /// Copies what `from` holds here into `into` as `to`'s, in the same recency order (a reload
+    /// keeps the history of a replica that stays). `to` keeps a capacity it already has, else
+    /// takes `from`'s.
+    pub fn copy_replica(&self, from: BackendId, into: &mut PrefixIndex, to: BackendId) {
+        let Some(old) = self.replicas.get(&from) else {
+            return;
+        };
+        let lru = into.replicas.entry(to).or_default();
+        if lru.capacity.is_none() {
+            lru.capacity = old.capacity;
+        }
+        if lru.capacity == Some(0) {
+            return;
+        }
+        for h in old.blocks() {
+            let entry = into.holders.entry(h).or_default();
+            match entry.iter().find(|(r, _)| *r == to) {
+                Some(&(_, node)) => lru.touch(node),
+                None => entry.push((to, lru.push_back(h))),
+            }
+        }
+        into.evict(to);
+    }
+
     /// Blocks the index holds for a replica.
     pub fn len(&self, replica: BackendId) -> usize {
         self.replicas.get(&replica).map_or(0, |l| l.live)
@@ -281,6 +305,44 @@ mod tests {
         ix.set_capacity(2, 100);
         ix.record(2, &[1, 3]);
         assert_eq!(depth_of(&ix, &[1, 2, 3], 2), 1);
+    }
+
+    #[test]
+    fn a_copied_replica_keeps_its_blocks_and_their_recency() {
+        let mut old = PrefixIndex::new();
+        old.set_capacity(0, 100);
+        old.set_capacity(1, 4);
+        old.record(1, &[1, 2, 3]);
+        old.record(1, &[1, 7]);
+        old.record(0, &[9]);
+        // Replica 1 of the old index is replica 0 of the new one, which knows no capacity yet.
+        let mut new = PrefixIndex::new();
+        old.copy_replica(1, &mut new, 0);
+        assert_eq!(new.len(0), 4);
+        assert_eq!(depth_of(&new, &[1, 2, 3], 0), 3);
+        assert_eq!(
+            depth_of(&new, &[9], 0),
+            0,
+            "only replica 1's blocks came over"
+        );
+        // Its capacity came too, and the order: block 3, the oldest, is the first evicted.
+        new.record(0, &[5]);
+        assert_eq!(new.len(0), 4);
+        assert_eq!(depth_of(&new, &[1, 2, 3], 0), 2);
+        assert_eq!(depth_of(&new, &[1, 7], 0), 2);
+        // A capacity the new index already has is kept.
+        let mut sized = PrefixIndex::new();
+        sized.set_capacity(3, 2);
+        old.copy_replica(1, &mut sized, 3);
+        assert_eq!(sized.len(3), 2);
+        assert_eq!(
+            depth_of(&sized, &[1, 7], 3),
+            2,
+            "the most recent blocks stay"
+        );
+        // A replica the old index never knew copies nothing.
+        old.copy_replica(5, &mut sized, 4);
+        assert_eq!(sized.len(4), 0);
     }
 
     #[test]

@@ -934,7 +934,7 @@ impl Metrics {
                 }
             }
             let t = BackendTotals::of(&mut last, b);
-            // A reload builds the replica anew, its totals from zero: count from there.
+            // A replica a reload added (or a restart) starts its totals from zero: count from there.
             let since = |now: f64, before: f64| if now >= before { now - before } else { now };
             bg.in_flight_seconds
                 .with_label_values(&name)

@@ -54,7 +54,9 @@ pub struct Backend {
     pub cold_start: Mutex<cold_start::ColdStart>,
     /// Times this replica was ejected.
     pub ejections: AtomicU64,
-    load: Mutex<Load>,
+    /// Shared with the same replica's entry in the config this one replaced (see
+    /// [`Fleet::carry_work_from`]), so requests still in flight under it keep counting.
+    load: Arc<Mutex<Load>>,
     /// The engine's own gauges, as last scraped.
     pub engine: Mutex<Scraped>,
     /// Model names the replica serves (`/v1/models`), once known.
@@ -188,7 +190,7 @@ impl Backend {
             request_fails: AtomicU32::new(0),
             ejected_until_ms: AtomicU64::new(0),
             ejections: AtomicU64::new(0),
-            load: Mutex::new(Load {
+            load: Arc::new(Mutex::new(Load {
                 in_flight: 0,
                 pending_prefill_tokens: 0,
                 decoding: 0,
@@ -197,7 +199,7 @@ impl Backend {
                 capacity: None,
                 capacity_seconds: 0.0,
                 capped_in_flight_seconds: 0.0,
-            }),
+            })),
             engine: Mutex::new(Scraped::default()),
             models: Mutex::new(None),
             work_changed,
@@ -350,6 +352,68 @@ impl Fleet {
         })
     }
 
+    /// The replicas `old` and this fleet both have (the same URL), as (id in `old`, id here).
+    pub fn same_replicas(&self, old: &Fleet) -> Vec<(BackendId, BackendId)> {
+        old.backends
+            .iter()
+            .filter_map(|o| {
+                let here = self.backends.iter().find(|b| b.url == o.url)?;
+                Some((o.id, here.id))
+            })
+            .collect()
+    }
+
+    /// Takes over what this proxy knows of every replica `old` also has (the same URL), so that a
+    /// reload changes the config, not the picture: the count of its work on the replica (shared
+    /// from now on, so requests still in flight under `old` keep counting in the routing cost,
+    /// the reports to peers and mean in-flight until they end, and their progress still reaches
+    /// the peers at once), its health and probe streak, what is left of an ejection, its cold
+    /// start, its last scrape and its models. Called on a fleet nobody shares yet.
+    ///
+    /// # Panics
+    /// If the fleet's replicas are already shared.
+    pub fn carry_from(&mut self, old: &Fleet) {
+        self.work_changed = old.work_changed.clone();
+        let pairs = self.same_replicas(old);
+        let now_ms = self.now_ms();
+        for b in &mut self.backends {
+            let b = Arc::get_mut(b).expect("a fleet being built is not shared yet");
+            b.work_changed = old.work_changed.clone();
+            let Some(&(o, _)) = pairs.iter().find(|(_, here)| *here == b.id) else {
+                continue;
+            };
+            let o = &old.backends[o];
+            b.load = o.load.clone();
+            let copy = |from: &AtomicU32, to: &AtomicU32| {
+                to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
+            };
+            // A replica that does not resolve stays unhealthy whatever it was.
+            b.probe_healthy
+                .store(b.addr().is_some() && o.probe_healthy(), Ordering::Relaxed);
+            copy(&o.probe_fails, &b.probe_fails);
+            copy(&o.probe_passes, &b.probe_passes);
+            copy(&o.request_fails, &b.request_fails);
+            let left = o
+                .ejected_until_ms
+                .load(Ordering::Relaxed)
+                .saturating_sub(old.now_ms());
+            if left > 0 {
+                b.ejected_until_ms.store(now_ms + left, Ordering::Relaxed);
+            }
+            b.ejections
+                .store(o.ejections.load(Ordering::Relaxed), Ordering::Relaxed);
+            *b.cold_start.get_mut().unwrap_or_else(|e| e.into_inner()) = o
+                .cold_start
+                .lock()
+                .unwrap_or_else(|e| e.into_inner())
+                .clone();
+            *b.engine.get_mut().unwrap_or_else(|e| e.into_inner()) =
+                o.engine.lock().unwrap_or_else(|e| e.into_inner()).clone();
+            *b.models.get_mut().unwrap_or_else(|e| e.into_inner()) =
+                o.models.lock().unwrap_or_else(|e| e.into_inner()).clone();
+        }
+    }
+
     fn now_ms(&self) -> u64 {
         self.epoch.elapsed().as_millis() as u64 + 1
     }
@@ -464,6 +528,48 @@ mod tests {
             .map(|i| BackendConfig::at(&format!("http://127.0.0.1:{}", 9000 + i)))
             .collect();
         Fleet::new(&cfgs, health).unwrap()
+    }
+
+    #[test]
+    fn a_reloaded_fleet_keeps_what_it_knew_of_the_replicas_it_keeps() {
+        let health = HealthConfig {
+            eject_after: 1,
+            max_ejected_fraction: 1.0,
+            ..HealthConfig::default()
+        };
+        let old = fleet(3, health.clone());
+        // Replica 0 is down, replica 1 ejected, replica 2 has a request in flight.
+        for _ in 0..health.unhealthy_after {
+            old.probe_result(&old.backends[0], false);
+        }
+        assert!(old.request_failed(&old.backends[1]));
+        let running = InFlight::new(old.backends[2].clone(), 500);
+        // The new config lists them as 2, 0 and a new one, and drops 1.
+        let cfgs: Vec<BackendConfig> = [9002, 9000, 9100]
+            .iter()
+            .map(|p| BackendConfig::at(&format!("http://127.0.0.1:{p}")))
+            .collect();
+        let mut new = Fleet::new(&cfgs, health).unwrap();
+        new.carry_from(&old);
+        assert_eq!(new.same_replicas(&old), vec![(0, 1), (2, 0)]);
+        assert!(!new.backends[1].probe_healthy(), "still down");
+        assert!(new.backends[0].probe_healthy() && new.backends[2].probe_healthy());
+        assert!((0..3).all(|i| !new.is_ejected(&new.backends[i])));
+        assert_eq!(new.views()[0].in_flight, 1);
+        assert_eq!(new.views()[0].pending_prefill_tokens, 500);
+        // The old request's progress counts in the new fleet, and wakes its pushes.
+        use futures_util::FutureExt;
+        let _ = new.work_changed.notified().now_or_never(); // the start's notice
+        assert!(new.work_changed.notified().now_or_never().is_none());
+        drop(running);
+        assert_eq!(new.views()[0].in_flight, 0);
+        assert!(new.work_changed.notified().now_or_never().is_some());
+        // An ejection comes over with what is left of it.
+        let cfgs = vec![BackendConfig::at("http://127.0.0.1:9001")];
+        let mut again = Fleet::new(&cfgs, HealthConfig::default()).unwrap();
+        again.carry_from(&old);
+        assert!(again.is_ejected(&again.backends[0]));
+        assert_eq!(again.backends[0].ejections.load(Ordering::Relaxed), 1);
     }
 
     #[test]
