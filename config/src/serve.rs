@@ -519,9 +519,10 @@ pub struct PeersConfig {
     /// A peer not heard from for this long no longer counts (it stopped, or cannot be reached).
     pub expire_ms: u64,
     /// The environment variable holding a secret the proxies share: pushes carry it
-    /// (`Authorization: Bearer`, in the clear: use it on a network you trust), and a push without
-    /// it is refused. Pushes are taken only from the addresses the peers' names resolve to, with
-    /// or without it.
+    /// (`Authorization: Bearer`, in the clear: use it on a network you trust), a push without it
+    /// is refused, and one with it is taken from any address (set it behind a service mesh, which
+    /// rewrites source addresses). Without it, pushes are taken only from the addresses the
+    /// peers' names resolve to.
     pub token_env: Option<String>,
 }
 

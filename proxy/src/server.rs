@@ -36,7 +36,9 @@ use crate::telemetry::capture::Capture;
 use crate::telemetry::stats::Stats;
 use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
 use crate::upstreams::kv_events::{EventSource, subscribe_loop};
-use crate::upstreams::peers::{Heeded, LoadReport, OnPoll, OnPush, Peers, poll_loop, push_loop};
+use crate::upstreams::peers::{
+    Heeded, LoadReport, OnPoll, OnPush, Peers, PushRefused, poll_loop, push_loop,
+};
 use crate::upstreams::{Backend, Fleet};
 
 /// Why the proxy could not start.
@@ -623,9 +625,8 @@ impl Generation {
                 polls.with_label_values(&[result]).inc();
             });
             let pushes = metrics.peer_pushes.clone();
-            let on_push: OnPush = Arc::new(move |ok| {
-                let result = if ok { "ok" } else { "failed" };
-                pushes.with_label_values(&["sent", result]).inc();
+            let on_push: OnPush = Arc::new(move |pushed| {
+                pushes.with_label_values(&["sent", pushed.result()]).inc();
             });
             tasks.push(tokio::spawn(push_loop(
                 peers.clone(),
@@ -940,22 +941,28 @@ fn take_push(
             Some("this proxy has no [peers]"),
         );
     };
-    if !peers.knows(from.ip()) {
-        return (
-            StatusCode::FORBIDDEN,
-            "unknown",
-            Some("pushes are taken from the addresses of peers.addresses only"),
-        );
-    }
     let authorization = headers
         .get(http::header::AUTHORIZATION)
         .map(|v| v.as_bytes());
-    if !peers.admits(authorization) {
-        return (
-            StatusCode::UNAUTHORIZED,
-            "unauthorized",
-            Some("a push needs the peers' token (peers.token_env)"),
-        );
+    match peers.may_push(from.ip(), authorization) {
+        Ok(()) => {}
+        Err(PushRefused::Unknown) => {
+            return (
+                StatusCode::FORBIDDEN,
+                "unknown",
+                Some(
+                    "without a shared secret (peers.token_env) pushes are taken from the \
+                     addresses of peers.addresses only",
+                ),
+            );
+        }
+        Err(PushRefused::Unauthorized) => {
+            return (
+                StatusCode::UNAUTHORIZED,
+                "unauthorized",
+                Some("a push needs the peers' shared secret (peers.token_env)"),
+            );
+        }
     }
     match serde_json::from_slice::<LoadReport>(body) {
         Ok(report) => {

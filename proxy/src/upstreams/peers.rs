@@ -220,20 +220,29 @@ impl Peers {
         self.token.as_ref().map(|(t, _)| t.as_str())
     }
 
-    /// Whether a push with this `Authorization` header may be taken: always without a secret,
-    /// else only with it (compared by digest in constant time).
-    pub fn admits(&self, authorization: Option<&[u8]>) -> bool {
+    /// Whether a push from `ip` with this `Authorization` header may be taken. With a shared
+    /// secret the secret is what identifies a peer (compared by digest in constant time), from
+    /// any address: behind a service mesh every push arrives from the mesh's own address.
+    /// Without one, only from an address the peers' names resolved to at the last lookup.
+    pub fn may_push(
+        &self,
+        ip: std::net::IpAddr,
+        authorization: Option<&[u8]>,
+    ) -> Result<(), PushRefused> {
         use sha2::Digest;
         use subtle::ConstantTimeEq;
-        let Some((_, want)) = &self.token else {
-            return true;
-        };
-        authorization
-            .and_then(crate::auth::bearer_token)
-            .is_some_and(|t| {
-                let got: [u8; 32] = sha2::Sha256::digest(t).into();
-                bool::from(got.ct_eq(want))
-            })
+        match &self.token {
+            Some((_, want)) => authorization
+                .and_then(crate::auth::bearer_token)
+                .is_some_and(|t| {
+                    let got: [u8; 32] = sha2::Sha256::digest(t).into();
+                    bool::from(got.ct_eq(want))
+                })
+                .then_some(())
+                .ok_or(PushRefused::Unauthorized),
+            None if self.knows(ip) => Ok(()),
+            None => Err(PushRefused::Unknown),
+        }
     }
 
     fn replicas(&self) -> usize {
@@ -313,9 +322,8 @@ impl Peers {
             .collect()
     }
 
-    /// Whether a push from `ip` may come from a peer: one of the addresses the peers' names
-    /// resolved to at the last lookup.
-    pub fn knows(&self, ip: std::net::IpAddr) -> bool {
+    /// Whether `ip` is one of the addresses the peers' names resolved to at the last lookup.
+    fn knows(&self, ip: std::net::IpAddr) -> bool {
         let a = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
         let ip = ip.to_canonical();
         a.all.iter().any(|x| x.ip().to_canonical() == ip)
@@ -454,8 +462,76 @@ async fn poll(client: &reqwest::Client, addr: SocketAddr, timeout: Duration) -> 
     resp.json::<LoadReport>().await.ok()
 }
 
-/// Called with each push's result: whether the peer took it.
-pub type OnPush = std::sync::Arc<dyn Fn(bool) + Send + Sync>;
+/// Why a push was not taken ([`Peers::may_push`]).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PushRefused {
+    /// Without a shared secret: not from a peer's address (403).
+    Unknown,
+    /// With one: the push did not carry it (401).
+    Unauthorized,
+}
+
+/// What became of one push, as `headroom_peer_pushes_total{direction="sent"}` counts it: the
+/// receiving side's own label where it answered.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Pushed {
+    /// Taken (204).
+    Ok,
+    /// 403: the peer does not know this proxy's address and has no shared secret.
+    Unknown,
+    /// 401: the peer wants a shared secret this proxy does not send.
+    Unauthorized,
+    /// 404: the peer has no `[peers]`, or runs a build without pushes.
+    Refused,
+    /// Any other answer, or none in time.
+    Failed,
+}
+
+impl Pushed {
+    fn of(status: Option<http::StatusCode>) -> Self {
+        match status.map(|s| s.as_u16()) {
+            Some(200..=299) => Self::Ok,
+            Some(403) => Self::Unknown,
+            Some(401) => Self::Unauthorized,
+            Some(404) => Self::Refused,
+            _ => Self::Failed,
+        }
+    }
+
+    /// The metric's `result` label.
+    pub fn result(self) -> &'static str {
+        match self {
+            Self::Ok => "ok",
+            Self::Unknown => "unknown",
+            Self::Unauthorized => "unauthorized",
+            Self::Refused => "refused",
+            Self::Failed => "failed",
+        }
+    }
+
+    /// What an operator should do about it, for the log (None: nothing to say).
+    fn advice(self) -> Option<&'static str> {
+        match self {
+            Self::Ok | Self::Failed => None,
+            Self::Unknown => Some(
+                "the peer does not take pushes from this proxy's address: set peers.token_env to \
+                 the same secret on every proxy (needed behind a service mesh, which rewrites \
+                 source addresses); polls still carry the news",
+            ),
+            Self::Unauthorized => Some(
+                "the peer wants another shared secret: peers.token_env must name the same secret \
+                 on every proxy; polls still carry the news",
+            ),
+            Self::Refused => Some(
+                "the peer takes no pushes (no [peers], or an older build); polls still carry the \
+                 news",
+            ),
+        }
+    }
+}
+
+/// Called with each push's result.
+pub type OnPush = std::sync::Arc<dyn Fn(Pushed) + Send + Sync>;
 
 /// Pushes this proxy's report to every peer when its own work changes (`fleet.work_changed`): at
 /// once after a quiet spell, then at most once per `cfg.push_interval_ms`, so a burst of changes
@@ -489,6 +565,8 @@ pub async fn push_loop(
         Ok((id, ())) => *id,
         Err(e) => e.id(),
     };
+    // Each peer's last refusal, so that the log says so once when it starts, not per push.
+    let refusals: std::sync::Arc<Mutex<HashMap<SocketAddr, Pushed>>> = Default::default();
     loop {
         tokio::select! {
             _ = changed.notified() => {}
@@ -519,13 +597,23 @@ pub async fn push_loop(
             }
             let (client, body, on_push) = (client.clone(), body.clone(), on_push.clone());
             let (peers, token) = (peers.clone(), peers.token().map(str::to_owned));
+            let refusals = refusals.clone();
             let task = pushes.spawn(async move {
-                let ok = push(&client, addr, body, token.as_deref(), timeout).await;
-                if !ok {
-                    tracing::debug!(peer = %addr, "push to peer failed; none more until a poll of it succeeds");
+                let pushed = push(&client, addr, body, token.as_deref(), timeout).await;
+                if pushed != Pushed::Ok {
+                    tracing::debug!(peer = %addr, result = pushed.result(), "push to peer not taken; none more until a poll of it succeeds");
                     peers.push_failed(addr);
                 }
-                on_push(ok);
+                let before = refusals
+                    .lock()
+                    .unwrap_or_else(|e| e.into_inner())
+                    .insert(addr, pushed);
+                if before != Some(pushed) {
+                    if let Some(advice) = pushed.advice() {
+                        tracing::warn!(peer = %addr, result = pushed.result(), "{advice}");
+                    }
+                }
+                on_push(pushed);
             });
             busy.insert(task.id(), addr);
         }
@@ -537,25 +625,22 @@ pub async fn push_loop(
     }
 }
 
-/// One push of this proxy's report; whether the peer took it in time.
+/// One push of this proxy's report, and what the peer made of it.
 async fn push(
     client: &reqwest::Client,
     addr: SocketAddr,
     body: bytes::Bytes,
     token: Option<&str>,
     timeout: Duration,
-) -> bool {
+) -> Pushed {
     let mut req = client
         .post(format!("http://{addr}/peers/load"))
         .header(http::header::CONTENT_TYPE, "application/json");
     if let Some(t) = token {
         req = req.bearer_auth(t);
     }
-    req.body(body)
-        .timeout(timeout)
-        .send()
-        .await
-        .is_ok_and(|r| r.status().is_success())
+    let answer = req.body(body).timeout(timeout).send().await;
+    Pushed::of(answer.ok().map(|r| r.status()))
 }
 
 /// A random id for this process, for [`LoadReport::proxy`]: std's randomly keyed hasher (keyed
@@ -703,28 +788,56 @@ mod tests {
         peers.resolved([addr(1), addr(4)].into());
         peers.resolved([addr(1), addr(2)].into());
         assert_eq!(peers.push_targets(), vec![addr(1), addr(2)]);
-        // Pushes are taken from the peers' addresses only.
-        assert!(peers.knows(addr(2).ip()));
-        assert!(!peers.knows("10.1.2.3".parse().unwrap()));
+        // Without a secret, pushes are taken from the peers' addresses only.
+        assert_eq!(peers.may_push(addr(2).ip(), None), Ok(()));
+        assert_eq!(
+            peers.may_push("10.1.2.3".parse().unwrap(), None),
+            Err(PushRefused::Unknown)
+        );
     }
 
     #[test]
-    fn with_a_token_only_pushes_that_carry_it_are_taken() {
-        let open = Peers::new(7, vec![], Duration::from_secs(1));
-        assert!(open.admits(None), "no secret: anyone");
+    fn with_a_token_only_pushes_that_carry_it_are_taken_from_any_address() {
         let closed =
             Peers::new(7, vec![], Duration::from_secs(1)).with_token(Some("s3cret".into()));
+        closed.resolved([addr(1)].into());
         assert_eq!(closed.token(), Some("s3cret"));
-        assert!(closed.admits(Some(b"Bearer s3cret")));
-        assert!(closed.admits(Some(b"bearer  s3cret ")));
+        // The secret is the peer's identity: a mesh's own address (Istio's 127.0.0.6) is fine.
+        for ip in [addr(1).ip(), "127.0.0.6".parse().unwrap()] {
+            assert_eq!(closed.may_push(ip, Some(b"Bearer s3cret")), Ok(()));
+            assert_eq!(closed.may_push(ip, Some(b"bearer  s3cret ")), Ok(()));
+        }
         for wrong in [
             None,
             Some(&b"Bearer s3cre"[..]),
             Some(b"s3cret"),
             Some(b"Basic s3cret"),
         ] {
-            assert!(!closed.admits(wrong), "{wrong:?}");
+            assert_eq!(
+                closed.may_push(addr(1).ip(), wrong),
+                Err(PushRefused::Unauthorized),
+                "{wrong:?}"
+            );
         }
+    }
+
+    #[test]
+    fn a_push_is_labelled_by_what_the_peer_answered() {
+        use http::StatusCode;
+        let of = |s: Option<u16>| Pushed::of(s.map(|s| StatusCode::from_u16(s).unwrap()));
+        assert_eq!(of(Some(204)), Pushed::Ok);
+        assert_eq!(of(Some(403)), Pushed::Unknown);
+        assert_eq!(of(Some(401)), Pushed::Unauthorized);
+        assert_eq!(of(Some(404)), Pushed::Refused);
+        assert_eq!(of(Some(500)), Pushed::Failed);
+        assert_eq!(of(None), Pushed::Failed);
+        assert!(
+            Pushed::Unknown
+                .advice()
+                .unwrap()
+                .contains("peers.token_env")
+        );
+        assert_eq!(Pushed::Failed.advice(), None);
     }
 
     #[test]
