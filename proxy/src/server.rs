@@ -137,8 +137,11 @@ impl ServeHandle {
         let next = Generation::start(Arc::new(cfg), &shared, Some(&self.generation))?;
         if let (Some(old), Some(new)) = (&self.generation.live.admission, &next.live.admission) {
             let pairs = next.live.fleet.same_replicas(&self.generation.live.fleet);
-            let learned = self.generation.cfg.admission == next.cfg.admission;
+            let learned = cap_settings(&self.generation.cfg) == cap_settings(&next.cfg);
             old.hand_over(new, &pairs, learned);
+            for (b, (cap, _)) in next.live.fleet.backends.iter().zip(new.slots()) {
+                b.set_capacity(cap);
+            }
         }
         let _ = self.live.send(next.live.clone());
         let old = std::mem::replace(&mut self.generation, next);
@@ -288,6 +291,29 @@ fn carry_history(
             }
         });
     });
+}
+
+/// What a replica's admission cap is derived from: two configs with equal values derive the same
+/// cap from the same scrapes, so a reload keeps the learned one.
+fn cap_settings(cfg: &ServeConfig) -> impl PartialEq + use<> {
+    let a = &cfg.admission;
+    (
+        (
+            a.max_in_flight,
+            a.context_tokens,
+            a.learn_context,
+            a.token_budget,
+        ),
+        (
+            a.headroom,
+            a.beta,
+            a.soft_beta,
+            a.alpha,
+            a.kv_high,
+            a.kv_raise_below,
+        ),
+        (a.cooldown_scrapes, a.min_cap, a.max_cap),
+    )
 }
 
 /// What decides a request's block hashes (see [`inspect_config`]); two configs with equal values
@@ -494,12 +520,14 @@ impl Generation {
                 ),
             )
         });
+        if let (Some(p), Some(new)) = (previous, &peers) {
+            if let Some(old) = &p.live.fleet.peers {
+                new.carry_from(old, &fleet.same_replicas(&p.live.fleet));
+            }
+        }
         fleet.peers = peers.clone();
         let fleet = Arc::new(fleet);
         let (policy, kv_index) = build_policy(&cfg);
-        if let Some(p) = previous {
-            carry_history(p, &fleet, &cfg, policy.as_ref());
-        }
         let index_policy = policy.clone();
         let metrics = &shared.metrics;
         let a = &cfg.admission;
@@ -520,11 +548,11 @@ impl Generation {
                 Duration::from_millis(a.lifo_after_ms),
             )
         });
-        if let Some(adm) = &admission {
-            // Configured caps are capacities from the start; derived ones follow each scrape.
-            for (b, (cap, _)) in fleet.backends.iter().zip(adm.slots()) {
-                b.set_capacity(cap);
-            }
+        // Configured caps are capacities from the start; derived ones follow each scrape; without
+        // admission there is none (a replica's state may come from a config that had one).
+        let caps = admission.as_ref().map(|a| a.slots()).unwrap_or_default();
+        for b in &fleet.backends {
+            b.set_capacity(caps.get(b.id).and_then(|(cap, _)| *cap));
         }
         let (connector, http) = upstream_clients(&cfg)?;
         let inspect = inspect_config(&cfg)?;
@@ -709,6 +737,9 @@ impl Generation {
             on_scrape,
             stop_rx,
         )));
+        if let Some(p) = previous {
+            carry_history(p, &fleet, &cfg, index_policy.as_ref());
+        }
         Ok(Self {
             cfg: cfg.clone(),
             live: Live {

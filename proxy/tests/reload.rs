@@ -5,6 +5,8 @@
 
 mod common;
 
+use std::time::Duration;
+
 use headroom_config::serve::{BackendConfig, ServeConfig};
 use serde_json::{Value, json};
 
@@ -168,20 +170,24 @@ async fn a_reload_keeps_each_kept_replicas_work_admissions_and_prefix_history() 
         format!("http://{}", h.admin_addr),
     );
     let client = reqwest::Client::new();
-    // Three streams of ~1.2 s under the old config, with prompts of several blocks.
+    // Three streams of ~3 s under the old config, with prompts of several blocks.
     let streams: Vec<_> = ["first", "second", "third"]
         .into_iter()
         .map(|p| {
             let prompt = format!("the {p} story: {}", "once upon a time ".repeat(200));
-            tokio::spawn(stream(client.clone(), url.clone(), prompt, 60))
+            tokio::spawn(stream(client.clone(), url.clone(), prompt, 150))
         })
         .collect();
     let sent = |h: &headroom_proxy::ServeHandle| -> u32 {
         h.fleet().backends.iter().map(|b| b.load().in_flight).sum()
     };
-    while sent(&h) < 3 {
-        tokio::task::yield_now().await;
-    }
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while sent(&h) < 3 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("three streams dispatched");
     let before: Vec<(String, u32)> = h
         .fleet()
         .backends
@@ -230,9 +236,13 @@ async fn a_reload_keeps_each_kept_replicas_work_admissions_and_prefix_history() 
         assert!(backend == "a" || backend == "b", "{backend}");
         assert!(body.contains("data: [DONE]"), "the stream was cut");
     }
-    while h.lifecycle.open() > 0 {
-        tokio::task::yield_now().await;
-    }
+    tokio::time::timeout(Duration::from_secs(10), async {
+        while h.lifecycle.open() > 0 {
+            tokio::task::yield_now().await;
+        }
+    })
+    .await
+    .expect("every request closed");
     assert!(fleet.backends.iter().all(|b| b.load().in_flight == 0));
     assert_eq!(
         h.admission().unwrap().slots(),

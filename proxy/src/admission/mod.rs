@@ -480,8 +480,8 @@ impl Admission {
     /// admitted here as its own, and from now on every permit taken or released here is counted
     /// there too, so a reload neither forgets the requests still running under the old config
     /// nor admits a full new set beside them. With `learned`, each such replica's cap, the
-    /// context its requests take and its token budget come over too (for an unchanged
-    /// `[admission]`; otherwise they start from the new config). Requests still queued here are
+    /// context its requests take and its token budget come over too (for unchanged settings the
+    /// cap derives from; otherwise they start from the new config). Requests still queued here are
     /// admitted by this admission's own counts, which leave out the new config's requests.
     pub fn hand_over(
         self: &Arc<Self>,

@@ -113,6 +113,7 @@ pub struct Metrics {
     backend_pool: FloatGaugeVec,
     /// Cost per million tokens at the 5-minute throughput, by which tokens.
     cost: FloatGaugeVec,
+    /// Each replica's totals at the last refresh, by URL.
     last: Mutex<std::collections::HashMap<String, BackendTotals>>,
     /// KV event stream counters, by backend.
     pub kv_events: KvEventCounters,
@@ -176,9 +177,8 @@ struct BackendGauges {
 /// Running totals already exported per replica, so counters advance by differences.
 #[derive(Debug, Clone, Default)]
 struct BackendTotals {
-    /// The replica's URL: another URL under the same name (after a reload) is another engine,
-    /// whose counters are not continued from this one's.
-    url: String,
+    /// The name its gauges were last set under.
+    name: String,
     in_flight_seconds: f64,
     capacity_seconds: f64,
     capped_in_flight_seconds: f64,
@@ -187,18 +187,14 @@ struct BackendTotals {
 }
 
 impl BackendTotals {
-    /// The totals of `b`, started afresh when the name now belongs to another replica.
+    /// The totals of `b`, by URL: a replica keeps its totals when a reload renames it (its
+    /// state carries over), and another URL under an old name is another engine.
     fn of<'a>(
         last: &'a mut std::collections::HashMap<String, BackendTotals>,
         b: &Backend,
     ) -> &'a mut BackendTotals {
-        let t = last.entry(b.name.clone()).or_default();
-        if t.url != b.url {
-            *t = BackendTotals {
-                url: b.url.clone(),
-                ..BackendTotals::default()
-            };
-        }
+        let t = last.entry(b.url.clone()).or_default();
+        t.name.clone_from(&b.name);
         t
     }
 }
@@ -870,13 +866,18 @@ impl Metrics {
     pub fn refresh(&self, fleet: &Fleet) {
         let bg = &self.backend;
         let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
-        let gone: Vec<String> = last
-            .keys()
-            .filter(|n| !fleet.backends.iter().any(|b| &b.name == *n))
-            .cloned()
-            .collect();
+        // Gauges are by name: a name the fleet no longer has (its replica left, or a reload renamed
+        // it) loses them, so no alert keeps reading its last state.
+        let mut gone: Vec<String> = Vec::new();
+        last.retain(|url, t| {
+            let kept = fleet.backends.iter().find(|b| &b.url == url);
+            if kept.is_none_or(|b| b.name != t.name) {
+                gone.push(t.name.clone());
+            }
+            kept.is_some()
+        });
+        gone.retain(|n| !n.is_empty() && !fleet.backends.iter().any(|b| &b.name == n));
         for name in gone {
-            last.remove(&name);
             for g in [
                 &bg.in_flight,
                 &bg.pending_prefill,
@@ -1050,8 +1051,7 @@ impl Metrics {
                     .unwrap_or_else(|e| e.into_inner())
                     .clone();
                 let g = last
-                    .get(&b.name)
-                    .filter(|t| t.url == b.url)
+                    .get(&b.url)
                     .map(|t| t.engine.clone())
                     .unwrap_or_default();
                 let ratio = self

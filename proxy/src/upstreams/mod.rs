@@ -55,7 +55,7 @@ pub struct Backend {
     /// Times this replica was ejected.
     pub ejections: AtomicU64,
     /// Shared with the same replica's entry in the config this one replaced (see
-    /// [`Fleet::carry_work_from`]), so requests still in flight under it keep counting.
+    /// [`Fleet::carry_from`]), so requests still in flight under it keep counting.
     load: Arc<Mutex<Load>>,
     /// The engine's own gauges, as last scraped.
     pub engine: Mutex<Scraped>,
@@ -352,23 +352,38 @@ impl Fleet {
         })
     }
 
-    /// The replicas `old` and this fleet both have (the same URL), as (id in `old`, id here).
+    /// The replicas `old` and this fleet both have (the same URL), as (id in `old`, id here),
+    /// one to one: a URL listed twice pairs its entries of the same name first, then in order.
     pub fn same_replicas(&self, old: &Fleet) -> Vec<(BackendId, BackendId)> {
-        old.backends
-            .iter()
-            .filter_map(|o| {
-                let here = self.backends.iter().find(|b| b.url == o.url)?;
-                Some((o.id, here.id))
-            })
-            .collect()
+        let mut taken = vec![false; self.backends.len()];
+        let mut pairs = Vec::new();
+        for same_name in [true, false] {
+            for o in &old.backends {
+                if pairs.iter().any(|(p, _)| *p == o.id) {
+                    continue;
+                }
+                let here = self
+                    .backends
+                    .iter()
+                    .find(|b| !taken[b.id] && b.url == o.url && (!same_name || b.name == o.name));
+                if let Some(b) = here {
+                    taken[b.id] = true;
+                    pairs.push((o.id, b.id));
+                }
+            }
+        }
+        pairs.sort_unstable();
+        pairs
     }
 
     /// Takes over what this proxy knows of every replica `old` also has (the same URL), so that a
     /// reload changes the config, not the picture: the count of its work on the replica (shared
     /// from now on, so requests still in flight under `old` keep counting in the routing cost,
     /// the reports to peers and mean in-flight until they end, and their progress still reaches
-    /// the peers at once), its health and probe streak, what is left of an ejection, its cold
-    /// start, its last scrape and its models. Called on a fleet nobody shares yet.
+    /// the peers at once), its health and probe streak (when `[health]` is unchanged: a new probe
+    /// path or new thresholds start from the replica being reachable, as at start), what is left
+    /// of an ejection, its cold start, its last scrape and its models. Called on a fleet nobody
+    /// shares yet.
     ///
     /// # Panics
     /// If the fleet's replicas are already shared.
@@ -387,11 +402,13 @@ impl Fleet {
             let copy = |from: &AtomicU32, to: &AtomicU32| {
                 to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
             };
-            // A replica that does not resolve stays unhealthy whatever it was.
-            b.probe_healthy
-                .store(b.addr().is_some() && o.probe_healthy(), Ordering::Relaxed);
-            copy(&o.probe_fails, &b.probe_fails);
-            copy(&o.probe_passes, &b.probe_passes);
+            if self.health == old.health {
+                // A replica that does not resolve stays unhealthy whatever it was.
+                b.probe_healthy
+                    .store(b.addr().is_some() && o.probe_healthy(), Ordering::Relaxed);
+                copy(&o.probe_fails, &b.probe_fails);
+                copy(&o.probe_passes, &b.probe_passes);
+            }
             copy(&o.request_fails, &b.request_fails);
             let left = o
                 .ejected_until_ms
@@ -564,12 +581,39 @@ mod tests {
         drop(running);
         assert_eq!(new.views()[0].in_flight, 0);
         assert!(new.work_changed.notified().now_or_never().is_some());
-        // An ejection comes over with what is left of it.
-        let cfgs = vec![BackendConfig::at("http://127.0.0.1:9001")];
+        // An ejection comes over with what is left of it, whatever [health] now says; health
+        // itself starts afresh under new health settings (a fixed probe path must not keep a
+        // replica down).
+        let cfgs = [9001, 9000].map(|p| BackendConfig::at(&format!("http://127.0.0.1:{p}")));
         let mut again = Fleet::new(&cfgs, HealthConfig::default()).unwrap();
         again.carry_from(&old);
         assert!(again.is_ejected(&again.backends[0]));
         assert_eq!(again.backends[0].ejections.load(Ordering::Relaxed), 1);
+        assert!(
+            again.backends[1].probe_healthy(),
+            "new [health]: probed afresh"
+        );
+    }
+
+    #[test]
+    fn a_url_listed_twice_pairs_by_name_then_in_order() {
+        let named = |list: &[(&str, &str)]| {
+            let cfgs: Vec<BackendConfig> = list
+                .iter()
+                .map(|(url, name)| BackendConfig {
+                    name: Some((*name).into()),
+                    ..BackendConfig::at(url)
+                })
+                .collect();
+            Fleet::new(&cfgs, HealthConfig::default()).unwrap()
+        };
+        let (u, v) = ("http://127.0.0.1:9000", "http://127.0.0.1:9001");
+        let old = named(&[(u, "x"), (u, "y"), (v, "z")]);
+        let new = named(&[(v, "z2"), (u, "y"), (u, "w")]);
+        // y keeps y; x takes the other entry of its URL; z is renamed z2. Nothing pairs twice.
+        assert_eq!(new.same_replicas(&old), vec![(0, 2), (1, 1), (2, 0)]);
+        let fewer = named(&[(u, "x")]);
+        assert_eq!(fewer.same_replicas(&old), vec![(0, 0)]);
     }
 
     #[test]

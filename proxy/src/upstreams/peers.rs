@@ -205,6 +205,24 @@ impl Peers {
         }
     }
 
+    /// Takes over the reports `old` holds (a reload), each report's lines moved to this fleet's
+    /// replicas by `pairs` (id in `old`, id here), so the other proxies' work keeps counting until
+    /// they next report instead of being zero for a poll interval.
+    pub fn carry_from(&self, old: &Peers, pairs: &[(usize, usize)]) {
+        let n = self.replicas();
+        let old_heard = old.heard.lock().unwrap_or_else(|e| e.into_inner());
+        let mut heard = self.heard.lock().unwrap_or_else(|e| e.into_inner());
+        for (proxy, h) in old_heard.iter() {
+            let mut work = vec![Work::default(); n];
+            for &(from, to) in pairs {
+                if let (Some(w), Some(slot)) = (h.work.get(from), work.get_mut(to)) {
+                    *slot = *w;
+                }
+            }
+            heard.insert(*proxy, Heard { work, ..h.clone() });
+        }
+    }
+
     /// Pushes carry `token` and must carry it to be taken (None: no secret).
     pub fn with_token(mut self, token: Option<String>) -> Self {
         use sha2::Digest;
@@ -838,6 +856,36 @@ mod tests {
                 .contains("peers.token_env")
         );
         assert_eq!(Pushed::Failed.advice(), None);
+    }
+
+    #[test]
+    fn a_reload_keeps_what_the_peers_reported_under_the_new_replica_order() {
+        let old = Peers::new(
+            7,
+            vec!["http://a:1".into(), "http://b:1".into()],
+            Duration::from_secs(1),
+        );
+        let now = Instant::now();
+        let mut first = report(8, &[("http://a:1", 2, 200, 1), ("http://b:1", 5, 0, 5)]);
+        first.seq = 5;
+        assert_eq!(
+            old.heard(addr(1), &first, now),
+            Heeded::Peer { unmatched: 0 }
+        );
+        // The new config lists b, then c; a is gone.
+        let new = Peers::new(
+            7,
+            vec!["http://b:1".into(), "http://c:1".into()],
+            Duration::from_secs(1),
+        );
+        new.carry_from(&old, &[(1, 0)]);
+        let work = new.foreign(now);
+        assert_eq!((work[0].in_flight, work[0].decoding), (5, 5));
+        assert_eq!(work[1].in_flight, 0);
+        // Its sequence number came too: an older report from that peer is still stale.
+        let mut older = report(8, &[("http://b:1", 9, 0, 9)]);
+        older.seq = 3;
+        assert_eq!(new.heard(addr(1), &older, now), Heeded::Stale);
     }
 
     #[test]
