@@ -18,8 +18,19 @@
 #   SPREAD=8000 ...   # routing.spread_tokens of every proxy (default 0)
 #   PUSH=0 ...        # peers.push_interval_ms: 0 polls only; default 5 (each proxy pushes its work
 #                     # to the others as it changes, between the 100 ms polls)
+#   RELOAD_EVERY=60 ... # every proxy reloads its (unchanged) config every 60 s of the replay
+#                     # (SIGHUP, as a config rollout does); default 0, never
+#   SERVE_BIN=/tmp/headroom-b ... # another build as the proxies (an A/B of builds; the replicas and
+#                     # the load stay this one's). This script builds target/release/headroom: copy
+#                     # build B aside first.
 set -euo pipefail
+# SERVE_BIN is resolved where it was given, before the move to the repository's root.
+if [ -n "${SERVE_BIN:-}" ]; then
+  [ -x "$SERVE_BIN" ] || { echo "SERVE_BIN=$SERVE_BIN is not an executable" >&2; exit 1; }
+  SERVE_BIN=$(realpath "$SERVE_BIN")
+fi
 cd "$(dirname "$0")/.."
+RELOAD_EVERY=${RELOAD_EVERY:-0}
 ROWS=${ROWS:-1000}
 START=${START:-0}
 TIME_SCALE=${TIME_SCALE:-1}
@@ -48,6 +59,11 @@ OUT=${OUT:-results/bench-kv-events}
 mkdir -p "$OUT"
 cargo build --release --locked -q
 bin=target/release/headroom
+if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
+  echo "SERVE_BIN is target/release/headroom, which this script has just rebuilt: copy build B aside first" >&2
+  exit 1
+fi
+SERVE_BIN=${SERVE_BIN:-$bin}
 
 slice="$OUT/trace.jsonl"
 sed -n "$((START + 1)),$((START + ROWS))p" "$TRACE" >"$slice"
@@ -100,7 +116,7 @@ run() {
     local admin='127.0.0.1:0'
     if [ "$n" -gt 1 ] && [ "$SHARE" = peers ]; then admin="127.0.0.1:$((ADMIN_PORT + k))"; fi
     { echo "admin_listen = \"$admin\""; cat "$dir/headroom.toml"; } >"$dir/headroom-$k.toml"
-    $bin serve --config "$dir/headroom-$k.toml" >"$dir/serve-$k.url" 2>"$dir/serve-$k.log" &
+    "$SERVE_BIN" serve --config "$dir/headroom-$k.toml" >"$dir/serve-$k.url" 2>"$dir/serve-$k.log" &
     serve_pids+=($!)
     pids+=($!)
     wait_line "$dir/serve-$k.log" "admin http"
@@ -132,8 +148,20 @@ run() {
   targets=$(IFS=,; echo "${proxies[*]}")
   if [ "$ENTRY" = first ]; then targets=${proxies[0]}; fi
   $bin replay --trace "$slice" --time-scale "$TIME_SCALE" --target "$targets" --observe "$urls" \
-    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy, spread_tokens $SPREAD; requests through $ENTRY; other proxies' work from $SHARE, push_interval_ms $PUSH)" \
-    --out "$dir" >"$dir/replay.txt"
+    --slo "$SLO" --hardware "headroom sim: 4 × Llama-3.1-8B-Instruct on H100 (roofline), $blocks KV blocks each ($KV_FRACTION of the slice's prefix working set across the fleet), behind $n × headroom serve (policy $policy, spread_tokens $SPREAD; requests through $ENTRY; other proxies' work from $SHARE, push_interval_ms $PUSH; config reloaded every ${RELOAD_EVERY}s (0: never); proxy build $(basename "$SERVE_BIN"))" \
+    --out "$dir" >"$dir/replay.txt" &
+  local replay_pid=$!
+  local reloads=0
+  if [ "$RELOAD_EVERY" != 0 ]; then
+    while kill -0 "$replay_pid" 2>/dev/null; do
+      sleep "$RELOAD_EVERY" & wait $! || true
+      kill -0 "$replay_pid" 2>/dev/null || break
+      for p in "${serve_pids[@]}"; do kill -HUP "$p"; done
+      reloads=$((reloads + 1))
+    done
+  fi
+  wait "$replay_pid"
+  echo "$reloads" >"$dir/reloads.txt"
   preemptions >"$dir/preemptions-after.txt"
   for k in $(seq "$n"); do
     curl -sf "${admins[$((k - 1))]}/metrics" >"$dir/proxy-$k-metrics-after.txt"
@@ -147,9 +175,10 @@ for n in $PROXY_COUNTS; do
   for policy in $MULTI_POLICIES; do run "$policy" "$n"; done
 done
 
-python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" "$SHARE" "$SPREAD" "$PUSH" <<'PY'
+python3 - "$OUT" "$working_set" "$blocks" "$ENTRY" "$SHARE" "$SPREAD" "$PUSH" "$RELOAD_EVERY" "$SERVE_BIN" <<'PY'
 import glob, json, os, re, sys
 out, working_set, blocks, entry, share, spread, push = sys.argv[1], int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], sys.argv[6], sys.argv[7]
+reload_every, serve_bin = sys.argv[8], sys.argv[9]
 def run_dirs():
     dirs = [d for d in glob.glob(f"{out}/*-x*") if os.path.exists(f"{d}/result.json")]
     return sorted(dirs, key=lambda d: (int(d.rsplit("-x", 1)[1]), os.path.getmtime(d)))
@@ -182,23 +211,25 @@ for d in run_dirs():
     hit, ideal = t.get("prefix_cache_hit_rate", 0.0), t.get("offline_prefix_hit_rate", float("nan"))
     if n == 1:
         single[policy] = hit
-    rows.append((policy, n, hit, ideal, s, imbalance, pre, ", ".join(sorted(states)) or "–"))
+    reloads = open(f"{d}/reloads.txt").read().strip() if os.path.exists(f"{d}/reloads.txt") else "0"
+    rows.append((policy, n, hit, ideal, s, imbalance, pre, ", ".join(sorted(states)) or "–", reloads))
 contract = json.load(open(f"{run_dirs()[0]}/result.json"))["contract"]
 lines = [
     f"trace: {contract['trace']['path']} (sha256 {contract['trace']['sha256'][:16]}…), {contract['trace']['requests']} requests, time scale {contract['load'].get('time_scale')}",
     "requests through: " + ("every proxy in turn" if entry == "all" else "the first proxy only (ENTRY=first: the others route nothing)"),
     "other proxies' work (several proxies): " + ("polled from each other every 100 ms ([peers])" + (f", and pushed as it changes (at most every {push} ms)" if push != "0" else ", no pushes") if share == "peers" else "estimated from the engines' gauges (routing.foreign_load)"),
     f"routing.spread_tokens: {spread}",
+    f"proxy build: {serve_bin}; config reloaded (SIGHUP) " + (f"every {reload_every} s" if reload_every != "0" else "never"),
     f"prefix working set (blocks used by more than one request): {working_set:,} tokens; KV per replica {(blocks - 1) * 16:,} tokens, fleet {(blocks - 1) * 64:,} ({100 * (blocks - 1) * 64 / working_set:.0f}% of the working set)",
     "",
-    "| policy | proxies | hit rate | of ideal | vs 1 proxy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p99 ms | output tok/s | goodput req/s | preemptions | imbalance | event streams | failed |",
-    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|",
+    "| policy | proxies | hit rate | of ideal | vs 1 proxy | TTFT p50 ms | TTFT p90 ms | TTFT p99 ms | TPOT p99 ms | output tok/s | goodput req/s | preemptions | imbalance | event streams | failed | reloads |",
+    "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---|---:|---:|",
 ]
-for policy, n, hit, ideal, s, imb, pre, states in rows:
+for policy, n, hit, ideal, s, imb, pre, states, reloads in rows:
     delta = f"{100 * (hit - single[policy]):+.1f} pt" if policy in single and n > 1 else ""
     lines.append(f"| {policy} | {n} | {100*hit:.1f}% | {100*hit/ideal:.0f}% | {delta} | {s['ttft']['p50_ms']:.0f} | {s['ttft']['p90_ms']:.0f} | "
                  f"{s['ttft']['p99_ms']:.0f} | {s['tpot']['p99_ms']:.1f} | {s['output_token_throughput']:.0f} | {s['goodput']['requests_per_s']:.2f} | "
-                 f"{pre:.0f} | {imb:.2f} | {states} | {s['failed']} |")
+                 f"{pre:.0f} | {imb:.2f} | {states} | {s['failed']} | {reloads} |")
 lines.append("")
 lines.append(f"ideal hit rate (one LRU cache of the fleet's combined KV capacity): {100*rows[0][3]:.1f}%")
 text = "\n".join(lines)
