@@ -110,7 +110,7 @@ impl ServeHandle {
     /// new connections get the new config; a keep-alive connection of the old one closes after its
     /// current response; requests already in progress finish on the old one. A replica both
     /// configs name keeps its state (health, ejection, work in flight, admissions, prefix
-    /// history: docs/proxy.md#reload); the KV event picture is rebuilt from the engines' replay.
+    /// history, KV event picture: docs/proxy.md#reload).
     /// `listen`, `admin_listen` and `[capture]` need a restart: a change to them is refused, as is
     /// a config that cannot be built; either way the old config keeps serving.
     pub async fn reload(&mut self, cfg: ServeConfig) -> Result<(), ServeError> {
@@ -291,6 +291,28 @@ fn carry_history(
             }
         });
     });
+}
+
+/// Copies the exact (KV event) picture of every replica `previous` and `fleet` share whose event
+/// stream is the same in both configs into `new`, before its subscribers start.
+fn carry_events(previous: &Generation, fleet: &Fleet, cfg: &ServeConfig, new: &Mutex<KvIndex>) {
+    let Some(old) = &previous.live.kv_index else {
+        return;
+    };
+    let streams = |c: &ServeConfig, id: usize| {
+        c.backends
+            .get(id)
+            .map(|b| (b.kv_events.clone(), b.kv_events_replay.clone()))
+    };
+    let old = old.lock().unwrap_or_else(|e| e.into_inner());
+    let mut new = new.lock().unwrap_or_else(|e| e.into_inner());
+    for (from, to) in fleet.same_replicas(&previous.live.fleet) {
+        let stream = streams(&previous.cfg, from);
+        if stream.as_ref().is_some_and(|(events, _)| events.is_some()) && stream == streams(cfg, to)
+        {
+            old.copy_replica(from, &mut new, to);
+        }
+    }
 }
 
 /// What a replica's admission cap is derived from: two configs with equal values derive the same
@@ -528,6 +550,9 @@ impl Generation {
         fleet.peers = peers.clone();
         let fleet = Arc::new(fleet);
         let (policy, kv_index) = build_policy(&cfg);
+        if let (Some(p), Some(new)) = (previous, &kv_index) {
+            carry_events(p, &fleet, &cfg, new);
+        }
         let index_policy = policy.clone();
         let metrics = &shared.metrics;
         let a = &cfg.admission;

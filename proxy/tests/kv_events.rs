@@ -52,6 +52,11 @@ async fn replica(ports: Ports) -> RunningReplica {
 }
 
 async fn kv_proxy(replicas: &[(&RunningReplica, Ports)]) -> ServeHandle {
+    headroom_proxy::start(kv_config(replicas)).await.unwrap()
+}
+
+/// A `kv_events` proxy's config over `replicas`, each with its event and replay endpoints.
+fn kv_config(replicas: &[(&RunningReplica, Ports)]) -> ServeConfig {
     let urls: Vec<String> = replicas.iter().map(|(r, _)| r.url()).collect();
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &urls, "kv_events");
     cfg.admin_listen = "127.0.0.1:0".into();
@@ -63,9 +68,7 @@ async fn kv_proxy(replicas: &[(&RunningReplica, Ports)]) -> ServeHandle {
             ..BackendConfig::at(&r.url())
         })
         .collect();
-    headroom_proxy::start(cfg.validated().unwrap())
-        .await
-        .unwrap()
+    cfg.validated().unwrap()
 }
 
 /// The shared text followed by a distinct tail.
@@ -147,6 +150,55 @@ async fn a_late_proxy_learns_the_cache_from_the_replay_and_routes_to_its_holder(
     let metrics = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
     let matched = common::metric(&metrics, "headroom_routed_matched_tokens_total");
     assert!(matched >= 6.0 * 256.0, "{matched}");
+    h.shutdown().await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_reload_keeps_the_picture_the_replay_buffer_no_longer_holds() {
+    // The engine's replay buffer holds only its last 2 batches (vLLM's `buffer_steps`).
+    let p = Ports::new();
+    let small_buffer = json!({"enable_kv_cache_events": true, "publisher": "zmq",
+        "endpoint": format!("tcp://*:{}", p.events),
+        "replay_endpoint": format!("tcp://*:{}", p.replay), "buffer_steps": 2})
+    .to_string();
+    let a = sim(5, 1, &["--kv-events-config", &small_buffer]).await;
+    let cfg = kv_config(&[(&a, p)]);
+    let mut h = headroom_proxy::start(cfg.clone()).await.unwrap();
+    wait_for(&h, Duration::from_secs(5), |s| s[0]["state"] == "live").await;
+    // Six documents, each stored in a batch of its own.
+    let doc = |i: u32| format!("document {i}:{}", shared_text());
+    for i in 0..6 {
+        complete(&format!("http://{}", h.addr), &doc(i)).await;
+    }
+    // Every batch heard: the picture stops changing.
+    let mut s = kv_stats(&h).await;
+    loop {
+        tokio::time::sleep(Duration::from_millis(200)).await;
+        let now = kv_stats(&h).await;
+        if now == s && s[0]["blocks"].as_u64() > Some(0) {
+            break;
+        }
+        s = now;
+    }
+    let (blocks, next_seq) = (s[0]["blocks"].clone(), s[0]["next_seq"].as_u64().unwrap());
+    assert!(next_seq > 2, "more batches than the buffer holds: {s:?}");
+    // The same config again (a rollout that changes nothing for this replica): the picture is
+    // carried over and checked against the engine's last batch, not rebuilt from a buffer that
+    // lost the first batches.
+    h.reload(cfg).await.unwrap();
+    wait_for(&h, Duration::from_secs(5), |s| s[0]["state"] == "live").await;
+    let s = kv_stats(&h).await;
+    assert_eq!(s[0]["blocks"], blocks, "{s:?}");
+    assert_eq!(s[0]["losses"], 0, "{s:?}");
+    // And the proxy routes on it: a question about the first document, whose blocks only the
+    // carried picture holds, is matched.
+    let matched = || async {
+        let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+        common::metric(&m, "headroom_routed_matched_tokens_total")
+    };
+    let earlier = matched().await;
+    complete(&format!("http://{}", h.addr), &prompt(&doc(0), 99)).await;
+    assert!(matched().await - earlier >= 256.0);
     h.shutdown().await;
 }
 

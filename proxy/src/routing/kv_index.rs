@@ -192,6 +192,36 @@ impl KvIndex {
         self.replicas.get(r).and_then(|x| x.next_seq)
     }
 
+    /// Copies replica `from`'s picture here into `into` as replica `to`'s (which must be new): its
+    /// blocks, the blocks sent to it and not yet confirmed, its counters and where its stream
+    /// stands (the next sequence number and the last batch's timestamp), not connected. A reload
+    /// keeps the picture of a replica whose event stream stays the same: the new subscriber's
+    /// first replay checks that the engine still holds that last batch and brings the picture
+    /// up to date from there, instead of rebuilding it from what the replay buffer still holds.
+    pub fn copy_replica(&self, from: BackendId, into: &mut KvIndex, to: BackendId) {
+        let (Some(r), Some(t)) = (self.replicas.get(from), into.replicas.get_mut(to)) else {
+            return;
+        };
+        *t = Replica {
+            next_seq: r.next_seq,
+            complete: r.complete,
+            connected: false,
+            awaiting_since: r.awaiting_since,
+            held: r.held,
+            pending: r.pending.clone(),
+            pending_order: r.pending_order.clone(),
+            last_batch: r.last_batch,
+            counts: r.counts,
+        };
+        for (h, holders) in &self.holders {
+            for &(replica, copies) in holders {
+                if replica == from {
+                    into.holders.entry(*h).or_default().push((to, copies));
+                }
+            }
+        }
+    }
+
     /// Records whether the subscriber is connected to the replica's stream.
     pub fn set_connected(&mut self, r: BackendId, connected: bool) {
         if let Some(x) = self.replicas.get_mut(r) {
@@ -457,6 +487,42 @@ mod tests {
             ix.set_connected(r, true);
         }
         (ix, Instant::now())
+    }
+
+    #[test]
+    fn a_copied_replica_keeps_its_picture_and_where_its_stream_stands() {
+        let (mut old, now) = index(2);
+        old.apply(1, 0, &[stored(&[1, 2, 3])]);
+        old.note_batch_ts(1, 0, 17.5);
+        old.apply(1, 1, &[stored(&[9]), removed(&[3])]);
+        old.note_batch_ts(1, 1, 18.0);
+        old.apply(0, 0, &[stored(&[1, 5])]);
+        old.note_dispatch(1, &[1, 2, 7], now);
+        // Old replica 1 is replica 0 of the new index.
+        let mut new = KvIndex::new(1, Duration::from_secs(10), Duration::from_secs(5));
+        old.copy_replica(1, &mut new, 0);
+        assert_eq!(new.depths(&[1, 2, 3], now), vec![2]);
+        assert_eq!(
+            new.depths(&[1, 2, 7], now),
+            vec![3],
+            "sent, not yet confirmed"
+        );
+        assert_eq!(
+            new.depths(&[1, 5], now),
+            vec![1],
+            "replica 0's blocks stayed behind"
+        );
+        assert_eq!(new.held(0), old.held(1));
+        assert_eq!(
+            (new.next_seq(0), new.last_batch(0)),
+            (Some(2), Some((1, 18.0)))
+        );
+        assert_eq!(new.counts(0), old.counts(1));
+        // Not connected until its subscriber is; then as complete as it was.
+        assert_eq!(new.state(0, now), StreamState::Missing);
+        new.set_connected(0, true);
+        assert_eq!(new.state(0, now), old.state(1, now));
+        assert_eq!(new.check(0, 2), SeqCheck::Next);
     }
 
     #[test]
