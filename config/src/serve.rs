@@ -519,11 +519,15 @@ pub struct PeersConfig {
     /// A peer not heard from for this long no longer counts (it stopped, or cannot be reached).
     pub expire_ms: u64,
     /// The environment variable holding a secret the proxies share: pushes carry it
-    /// (`Authorization: Bearer`, in the clear: use it on a network you trust), a push without it
-    /// is refused, and one with it is taken from any address (set it behind a service mesh, which
-    /// rewrites source addresses). Without it, pushes are taken only from the addresses the
-    /// peers' names resolve to.
+    /// (`Authorization: Bearer`, in the clear: use it on a network you trust) and a push without
+    /// it is refused. Pushes are taken only from the addresses the peers' names resolve to, with
+    /// or without it, unless `any_address` is set.
     pub token_env: Option<String>,
+    /// Take pushes that carry the secret (`token_env`, required) from any address: for a
+    /// service mesh, which rewrites source addresses so that every push would otherwise be
+    /// refused. The secret then identifies a peer on its own: use it where the secret cannot be
+    /// read off the wire (the mesh's mutual TLS).
+    pub any_address: bool,
 }
 
 impl Default for PeersConfig {
@@ -535,6 +539,7 @@ impl Default for PeersConfig {
             timeout_ms: 250,
             expire_ms: 1_000,
             token_env: None,
+            any_address: false,
         }
     }
 }
@@ -1268,6 +1273,14 @@ impl Validate for ServeConfig {
         }
         check(
             e,
+            !peers.any_address || peers.token_env.is_some(),
+            &pp,
+            "any_address",
+            peers.any_address,
+            "needs token_env: without a shared secret a push from any address could come from anyone",
+        );
+        check(
+            e,
             peers.push_interval_ms < peers.interval_ms,
             &pp,
             "push_interval_ms",
@@ -1881,6 +1894,15 @@ token_env = "HEADROOM_TEST_UNSET_PEER_TOKEN"
                 c.peers.expire_ms
             ),
             (100, 5, 1_000)
+        );
+        // Pushes from any address need the shared secret that then identifies a peer.
+        let open = format!("{ok}any_address = true\n");
+        let err = parse_toml::<ServeConfig>(&open, Path::new("h.toml"))
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("peers.any_address = true: needs token_env"),
+            "{err}"
         );
     }
 

@@ -299,20 +299,31 @@ fn carry_events(previous: &Generation, fleet: &Fleet, cfg: &ServeConfig, new: &M
     let Some(old) = &previous.live.kv_index else {
         return;
     };
-    let streams = |c: &ServeConfig, id: usize| {
-        c.backends
-            .get(id)
-            .map(|b| (b.kv_events.clone(), b.kv_events_replay.clone()))
+    // The same publisher, topic and replay socket: without a replay socket there is nothing to
+    // check the picture against, and the subscriber drops it anyway.
+    let stream = |c: &ServeConfig, id: usize| {
+        let b = c.backends.get(id)?;
+        Some((
+            b.kv_events.clone()?,
+            b.kv_events_replay.clone()?,
+            c.kv_events.topic.clone(),
+        ))
     };
+    let pairs: Vec<(usize, usize)> = fleet
+        .same_replicas(&previous.live.fleet)
+        .into_iter()
+        .filter(|&(from, to)| {
+            let s = stream(&previous.cfg, from);
+            s.is_some() && s == stream(cfg, to)
+        })
+        .collect();
+    if pairs.is_empty() {
+        return;
+    }
+    let pending = hashing(&previous.cfg) == hashing(cfg);
     let old = old.lock().unwrap_or_else(|e| e.into_inner());
     let mut new = new.lock().unwrap_or_else(|e| e.into_inner());
-    for (from, to) in fleet.same_replicas(&previous.live.fleet) {
-        let stream = streams(&previous.cfg, from);
-        if stream.as_ref().is_some_and(|(events, _)| events.is_some()) && stream == streams(cfg, to)
-        {
-            old.copy_replica(from, &mut new, to);
-        }
-    }
+    old.copy_replicas(&pairs, &mut new, pending);
 }
 
 /// What a replica's admission cap is derived from: two configs with equal values derive the same
@@ -539,7 +550,8 @@ impl Generation {
                         .token_env
                         .as_ref()
                         .and_then(|v| std::env::var(v).ok()),
-                ),
+                )
+                .from_any_address(cfg.peers.any_address),
             )
         });
         if let (Some(p), Some(new)) = (previous, &peers) {
@@ -982,45 +994,55 @@ async fn accept_loop(
 /// The largest push taken: a report is ~100 bytes per replica.
 const PUSH_BODY_LIMIT: usize = 64 * 1024;
 
-/// A peer's push (`POST /peers/load`), checked before its body is read as a report: the status to
-/// answer, the `result` label, and what to tell a refused sender.
-fn take_push(
-    peers: Option<&Peers>,
+/// What the admin listener answers a push it does not take: the status, the `result` label, and
+/// what to tell the sender.
+type PushAnswer = (StatusCode, &'static str, Option<&'static str>);
+
+/// Whether a peer's push (`POST /peers/load`) may be taken, from its sender and headers alone:
+/// decided before a byte of its body is read.
+fn admit_push<'a>(
+    peers: Option<&'a Peers>,
     from: SocketAddr,
     headers: &http::HeaderMap,
-    body: &[u8],
-) -> (StatusCode, &'static str, Option<&'static str>) {
+) -> Result<&'a Peers, PushAnswer> {
     let Some(peers) = peers else {
-        return (
+        return Err((
             StatusCode::NOT_FOUND,
             "refused",
             Some("this proxy has no [peers]"),
-        );
+        ));
     };
     let authorization = headers
         .get(http::header::AUTHORIZATION)
         .map(|v| v.as_bytes());
     match peers.may_push(from.ip(), authorization) {
-        Ok(()) => {}
-        Err(PushRefused::Unknown) => {
-            return (
-                StatusCode::FORBIDDEN,
-                "unknown",
-                Some(
-                    "without a shared secret (peers.token_env) pushes are taken from the \
-                     addresses of peers.addresses only",
-                ),
-            );
-        }
-        Err(PushRefused::Unauthorized) => {
-            return (
-                StatusCode::UNAUTHORIZED,
-                "unauthorized",
-                Some("a push needs the peers' shared secret (peers.token_env)"),
-            );
-        }
+        Ok(()) => Ok(peers),
+        Err(PushRefused::Unknown) => Err((
+            StatusCode::FORBIDDEN,
+            "unknown",
+            Some(
+                "pushes are taken from the addresses of peers.addresses only (behind a service \
+                 mesh: peers.token_env and peers.any_address)",
+            ),
+        )),
+        Err(PushRefused::Unauthorized) => Err((
+            StatusCode::UNAUTHORIZED,
+            "unauthorized",
+            Some("a push needs the peers' shared secret (peers.token_env)"),
+        )),
     }
-    match serde_json::from_slice::<LoadReport>(body) {
+}
+
+/// Takes an admitted push's body (at most [`PUSH_BODY_LIMIT`] bytes) as a report.
+async fn take_push(peers: &Peers, from: SocketAddr, body: axum::body::Body) -> PushAnswer {
+    let Ok(body) = axum::body::to_bytes(body, PUSH_BODY_LIMIT).await else {
+        return (
+            StatusCode::PAYLOAD_TOO_LARGE,
+            "invalid",
+            Some("a load report is at most 64 KiB"),
+        );
+    };
+    match serde_json::from_slice::<LoadReport>(&body) {
         Ok(report) => {
             let heeded = peers.heard(from, &report, std::time::Instant::now());
             (StatusCode::NO_CONTENT, heeded.result(), None)
@@ -1179,12 +1201,15 @@ fn admin_router(
             .post(
                 move |axum::extract::ConnectInfo(from): axum::extract::ConnectInfo<SocketAddr>,
                       headers: http::HeaderMap,
-                      body: bytes::Bytes| {
+                      body: axum::body::Body| {
                     let peers = pushed_live.borrow().fleet.peers.clone();
                     let pushes = pushes.clone();
                     async move {
                         let (status, result, why) =
-                            take_push(peers.as_deref(), from, &headers, &body);
+                            match admit_push(peers.as_deref(), from, &headers) {
+                                Ok(peers) => take_push(peers, from, body).await,
+                                Err(refused) => refused,
+                            };
                         pushes.with_label_values(&["received", result]).inc();
                         match why {
                             None => status.into_response(),
@@ -1192,8 +1217,7 @@ fn admin_router(
                         }
                     }
                 },
-            )
-            .layer(axum::extract::DefaultBodyLimit::max(PUSH_BODY_LIMIT)),
+            ),
         )
         .route("/healthz", get(|| async { "ok\n" }))
         .route(

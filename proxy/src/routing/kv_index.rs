@@ -192,30 +192,49 @@ impl KvIndex {
         self.replicas.get(r).and_then(|x| x.next_seq)
     }
 
-    /// Copies replica `from`'s picture here into `into` as replica `to`'s (which must be new): its
-    /// blocks, the blocks sent to it and not yet confirmed, its counters and where its stream
-    /// stands (the next sequence number and the last batch's timestamp), not connected. A reload
-    /// keeps the picture of a replica whose event stream stays the same: the new subscriber's
-    /// first replay checks that the engine still holds that last batch and brings the picture
-    /// up to date from there, instead of rebuilding it from what the replay buffer still holds.
-    pub fn copy_replica(&self, from: BackendId, into: &mut KvIndex, to: BackendId) {
-        let (Some(r), Some(t)) = (self.replicas.get(from), into.replicas.get_mut(to)) else {
-            return;
-        };
-        *t = Replica {
-            next_seq: r.next_seq,
-            complete: r.complete,
-            connected: false,
-            awaiting_since: r.awaiting_since,
-            held: r.held,
-            pending: r.pending.clone(),
-            pending_order: r.pending_order.clone(),
-            last_batch: r.last_batch,
-            counts: r.counts,
-        };
+    /// Copies the pictures of the replicas `pairs` names (id here, id in `into`; the latter new)
+    /// into `into`: their blocks, their counters and where their streams stand (the next
+    /// sequence number and the last batch's timestamp), not connected; with `pending`, also the
+    /// blocks sent to them and not yet confirmed (request-side hashes: only while requests are
+    /// hashed the same way). A reload keeps the picture of a replica whose event stream stays
+    /// the same: the new subscriber's first replay checks that the engine still holds that last
+    /// batch and brings the picture up to date from there, instead of rebuilding it from what the
+    /// replay buffer still holds. One pass over the blocks held, whatever the number of replicas.
+    pub fn copy_replicas(
+        &self,
+        pairs: &[(BackendId, BackendId)],
+        into: &mut KvIndex,
+        pending: bool,
+    ) {
+        let mut target = vec![None; self.replicas.len()];
+        for &(from, to) in pairs {
+            let (Some(r), Some(t)) = (self.replicas.get(from), into.replicas.get_mut(to)) else {
+                continue;
+            };
+            target[from] = Some(to);
+            *t = Replica {
+                next_seq: r.next_seq,
+                complete: r.complete,
+                connected: false,
+                awaiting_since: None,
+                held: r.held,
+                pending: if pending {
+                    r.pending.clone()
+                } else {
+                    HashMap::default()
+                },
+                pending_order: if pending {
+                    r.pending_order.clone()
+                } else {
+                    VecDeque::new()
+                },
+                last_batch: r.last_batch,
+                counts: r.counts,
+            };
+        }
         for (h, holders) in &self.holders {
             for &(replica, copies) in holders {
-                if replica == from {
+                if let Some(to) = target.get(replica).copied().flatten() {
                     into.holders.entry(*h).or_default().push((to, copies));
                 }
             }
@@ -500,7 +519,7 @@ mod tests {
         old.note_dispatch(1, &[1, 2, 7], now);
         // Old replica 1 is replica 0 of the new index.
         let mut new = KvIndex::new(1, Duration::from_secs(10), Duration::from_secs(5));
-        old.copy_replica(1, &mut new, 0);
+        old.copy_replicas(&[(1, 0)], &mut new, true);
         assert_eq!(new.depths(&[1, 2, 3], now), vec![2]);
         assert_eq!(
             new.depths(&[1, 2, 7], now),
@@ -523,6 +542,10 @@ mod tests {
         new.set_connected(0, true);
         assert_eq!(new.state(0, now), old.state(1, now));
         assert_eq!(new.check(0, 2), SeqCheck::Next);
+        // Requests hashed another way: what was sent is not carried, what the engine holds is.
+        let mut rehashed = KvIndex::new(1, Duration::from_secs(10), Duration::from_secs(5));
+        old.copy_replicas(&[(1, 0)], &mut rehashed, false);
+        assert_eq!(rehashed.depths(&[1, 2, 7], now), vec![2]);
     }
 
     #[test]

@@ -175,6 +175,8 @@ pub struct Peers {
     addresses: Mutex<Addresses>,
     /// The shared secret pushes carry (`peers.token_env`), and its digest to check theirs by.
     token: Option<(String, [u8; 32])>,
+    /// Pushes with the secret are taken from any address (`peers.any_address`).
+    any_address: bool,
 }
 
 #[derive(Debug, Default)]
@@ -202,6 +204,7 @@ impl Peers {
             heard: Mutex::new(HashMap::new()),
             addresses: Mutex::new(Addresses::default()),
             token: None,
+            any_address: false,
         }
     }
 
@@ -221,6 +224,11 @@ impl Peers {
             }
             heard.insert(*proxy, Heard { work, ..h.clone() });
         }
+        // Which addresses are this proxy's own, and which peers refuse its pushes.
+        let from = old.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        let mut to = self.addresses.lock().unwrap_or_else(|e| e.into_inner());
+        to.own.clone_from(&from.own);
+        to.failing.clone_from(&from.failing);
     }
 
     /// Pushes carry `token` and must carry it to be taken (None: no secret).
@@ -238,10 +246,17 @@ impl Peers {
         self.token.as_ref().map(|(t, _)| t.as_str())
     }
 
-    /// Whether a push from `ip` with this `Authorization` header may be taken. With a shared
-    /// secret the secret is what identifies a peer (compared by digest in constant time), from
-    /// any address: behind a service mesh every push arrives from the mesh's own address.
-    /// Without one, only from an address the peers' names resolved to at the last lookup.
+    /// Takes pushes that carry the secret from any address (`peers.any_address`: behind a
+    /// service mesh every push arrives from the mesh's own address).
+    pub fn from_any_address(mut self, any: bool) -> Self {
+        self.any_address = any;
+        self
+    }
+
+    /// Whether a push from `ip` with this `Authorization` header may be taken: from an address
+    /// the peers' names resolved to at the last lookup (any address with `any_address`), and,
+    /// with a shared secret, carrying it (compared by digest in constant time). Checked before
+    /// the body is read.
     pub fn may_push(
         &self,
         ip: std::net::IpAddr,
@@ -249,17 +264,22 @@ impl Peers {
     ) -> Result<(), PushRefused> {
         use sha2::Digest;
         use subtle::ConstantTimeEq;
-        match &self.token {
-            Some((_, want)) => authorization
+        let secret_ok = |want: &[u8; 32]| {
+            authorization
                 .and_then(crate::auth::bearer_token)
                 .is_some_and(|t| {
                     let got: [u8; 32] = sha2::Sha256::digest(t).into();
                     bool::from(got.ct_eq(want))
                 })
-                .then_some(())
-                .ok_or(PushRefused::Unauthorized),
-            None if self.knows(ip) => Ok(()),
-            None => Err(PushRefused::Unknown),
+        };
+        // Without a secret, `any_address` is refused by validation; it is ignored here too.
+        let from_anywhere = self.any_address && self.token.is_some();
+        if !from_anywhere && !self.knows(ip) {
+            return Err(PushRefused::Unknown);
+        }
+        match &self.token {
+            Some((_, want)) if !secret_ok(want) => Err(PushRefused::Unauthorized),
+            _ => Ok(()),
         }
     }
 
@@ -532,17 +552,18 @@ impl Pushed {
         match self {
             Self::Ok | Self::Failed => None,
             Self::Unknown => Some(
-                "the peer does not take pushes from this proxy's address: set peers.token_env to \
-                 the same secret on every proxy (needed behind a service mesh, which rewrites \
-                 source addresses); polls still carry the news",
+                "the peer does not take pushes from this proxy's address (403): its \
+                 peers.addresses must name this proxy; behind a service mesh, which rewrites \
+                 source addresses, set peers.token_env and peers.any_address on every proxy; \
+                 polls still carry the news",
             ),
             Self::Unauthorized => Some(
-                "the peer wants another shared secret: peers.token_env must name the same secret \
-                 on every proxy; polls still carry the news",
+                "the peer wants another shared secret (401): peers.token_env must name the same \
+                 secret on every proxy; polls still carry the news",
             ),
             Self::Refused => Some(
-                "the peer takes no pushes (no [peers], or an older build); polls still carry the \
-                 news",
+                "the peer takes no pushes (404: no [peers], or an older build); polls still carry \
+                 the news",
             ),
         }
     }
@@ -583,7 +604,8 @@ pub async fn push_loop(
         Ok((id, ())) => *id,
         Err(e) => e.id(),
     };
-    // Each peer's last refusal, so that the log says so once when it starts, not per push.
+    // Each refusing peer's reason, so that the log says it once, not per push: a push taken
+    // forgets it, one lost on the way (`Failed`) leaves it.
     let refusals: std::sync::Arc<Mutex<HashMap<SocketAddr, Pushed>>> = Default::default();
     loop {
         tokio::select! {
@@ -622,14 +644,19 @@ pub async fn push_loop(
                     tracing::debug!(peer = %addr, result = pushed.result(), "push to peer not taken; none more until a poll of it succeeds");
                     peers.push_failed(addr);
                 }
-                let before = refusals
-                    .lock()
-                    .unwrap_or_else(|e| e.into_inner())
-                    .insert(addr, pushed);
-                if before != Some(pushed) {
-                    if let Some(advice) = pushed.advice() {
-                        tracing::warn!(peer = %addr, result = pushed.result(), "{advice}");
+                let new_reason = {
+                    let mut r = refusals.lock().unwrap_or_else(|e| e.into_inner());
+                    match pushed {
+                        Pushed::Ok => {
+                            r.remove(&addr);
+                            false
+                        }
+                        Pushed::Failed => false,
+                        refused => r.insert(addr, refused) != Some(refused),
                     }
+                };
+                if let Some(advice) = pushed.advice().filter(|_| new_reason) {
+                    tracing::warn!(peer = %addr, result = pushed.result(), "{advice}");
                 }
                 on_push(pushed);
             });
@@ -815,16 +842,37 @@ mod tests {
     }
 
     #[test]
-    fn with_a_token_only_pushes_that_carry_it_are_taken_from_any_address() {
+    fn with_a_token_only_pushes_that_carry_it_are_taken() {
         let closed =
             Peers::new(7, vec![], Duration::from_secs(1)).with_token(Some("s3cret".into()));
         closed.resolved([addr(1)].into());
         assert_eq!(closed.token(), Some("s3cret"));
-        // The secret is the peer's identity: a mesh's own address (Istio's 127.0.0.6) is fine.
-        for ip in [addr(1).ip(), "127.0.0.6".parse().unwrap()] {
-            assert_eq!(closed.may_push(ip, Some(b"Bearer s3cret")), Ok(()));
-            assert_eq!(closed.may_push(ip, Some(b"bearer  s3cret ")), Ok(()));
-        }
+        let mesh: std::net::IpAddr = "127.0.0.6".parse().unwrap(); // Istio's inbound address
+        assert_eq!(
+            closed.may_push(addr(1).ip(), Some(b"Bearer s3cret")),
+            Ok(())
+        );
+        assert_eq!(
+            closed.may_push(addr(1).ip(), Some(b"bearer  s3cret ")),
+            Ok(())
+        );
+        // The secret alone is not enough from an address that is not a peer's...
+        assert_eq!(
+            closed.may_push(mesh, Some(b"Bearer s3cret")),
+            Err(PushRefused::Unknown)
+        );
+        // ...unless any_address says the network cannot be read (a mesh's mutual TLS).
+        let mesh_peers = Peers::new(7, vec![], Duration::from_secs(1))
+            .with_token(Some("s3cret".into()))
+            .from_any_address(true);
+        assert_eq!(mesh_peers.may_push(mesh, Some(b"Bearer s3cret")), Ok(()));
+        assert_eq!(
+            mesh_peers.may_push(mesh, Some(b"Bearer nope")),
+            Err(PushRefused::Unauthorized)
+        );
+        // any_address without a secret opens nothing.
+        let open = Peers::new(7, vec![], Duration::from_secs(1)).from_any_address(true);
+        assert_eq!(open.may_push(mesh, None), Err(PushRefused::Unknown));
         for wrong in [
             None,
             Some(&b"Bearer s3cre"[..]),
