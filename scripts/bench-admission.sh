@@ -12,8 +12,17 @@
 # REQUESTS.
 #
 #   REPLICAS=4 RATE=90 SWEEP_RATES="20 30" scripts/bench-admission.sh
+#   RELOAD_EVERY=3 ...   # the proxy reloads its (unchanged) config every 3 s of each replay (SIGHUP)
+#   SERVE_BIN=/tmp/headroom-b ... # another build as the proxy (an A/B of builds; this script builds
+#                        # target/release/headroom: copy build B aside first)
 set -euo pipefail
+# SERVE_BIN is resolved where it was given, before the move to the repository's root.
+if [ -n "${SERVE_BIN:-}" ]; then
+  [ -x "$SERVE_BIN" ] || { echo "SERVE_BIN=$SERVE_BIN is not an executable" >&2; exit 1; }
+  SERVE_BIN=$(realpath "$SERVE_BIN")
+fi
 cd "$(dirname "$0")/.."
+RELOAD_EVERY=${RELOAD_EVERY:-0}
 REPLICAS=${REPLICAS:-4}
 REQUESTS=${REQUESTS:-1200}
 RATE=${RATE:-90}
@@ -27,6 +36,11 @@ rm -rf "$OUT"
 mkdir -p "$OUT"
 cargo build --release --locked -q
 bin=target/release/headroom
+if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
+  echo "SERVE_BIN is target/release/headroom, which this script has just rebuilt: copy build B aside first" >&2
+  exit 1
+fi
+SERVE_BIN=${SERVE_BIN:-$bin}
 
 source scripts/bench-common.sh
 
@@ -56,7 +70,7 @@ run() {
     printf '[admission]\nenabled = %s\ncontext_tokens = %s\n' "$admission" "$CONTEXT"
     printf '[classes.default]\nqueue_timeout_ms = %s\nmax_queue = 100000\n' "$QUEUE_TIMEOUT_MS"
   } >"$dir/headroom.toml"
-  $bin serve --config "$dir/headroom.toml" >"$dir/serve.url" 2>"$dir/serve.log" &
+  "$SERVE_BIN" serve --config "$dir/headroom.toml" >"$dir/serve.url" 2>"$dir/serve.log" &
   local serve=$!
   wait_line "$dir/serve.log" "admin http"
   local proxy admin before after
@@ -67,8 +81,19 @@ run() {
   before=$(preemptions)
   echo "== $name: $requests requests at $rate req/s, admission $admission" >&2
   $bin replay --trace "$dir/trace.jsonl" --target "$proxy" --endpoint chat --slo "$SLO" --timeout 600 \
-    --hardware "headroom sim: $REPLICAS × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve (admission $admission)" \
-    --out "$dir" >"$dir/replay.txt"
+    --hardware "headroom sim: $REPLICAS × Llama-3.1-8B-Instruct on H100 (roofline), behind headroom serve (admission $admission; config reloaded every ${RELOAD_EVERY}s (0: never); proxy build $(basename "$SERVE_BIN"))" \
+    --out "$dir" >"$dir/replay.txt" &
+  local replay=$! reloads=0
+  if [ "$RELOAD_EVERY" != 0 ]; then
+    while kill -0 "$replay" 2>/dev/null; do
+      sleep "$RELOAD_EVERY" & wait $! || true
+      kill -0 "$replay" 2>/dev/null || break
+      kill -HUP "$serve"
+      reloads=$((reloads + 1))
+    done
+  fi
+  wait "$replay"
+  echo "$reloads" >"$dir/reloads"
   after=$(preemptions)
   echo "$before $after" >"$dir/preemptions"
   curl -sf "$admin/metrics" >"$dir/proxy-metrics.txt"
@@ -84,8 +109,8 @@ import json, os, re, sys
 out, rate, slo = sys.argv[1], sys.argv[2], sys.argv[3]
 runs = sorted(d for d in os.listdir(out) if os.path.isfile(f"{out}/{d}/result.json"))
 print(f"SLO {slo}; offered {rate} req/s in the overload runs\n")
-print("| run | offered req/s | requests | completed | refused 503/429 | preemptions | preemptions per request | goodput req/s | goodput tok/s | TTFT p50 / p99 ms | TPOT p99 ms | permits / queued at rest |")
-print("|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|")
+print("| run | offered req/s | requests | completed | refused 503/429 | preemptions | preemptions per request | goodput req/s | goodput tok/s | TTFT p50 / p99 ms | TPOT p99 ms | permits / queued at rest | reloads |")
+print("|---|---:|---:|---:|---|---:|---:|---:|---:|---|---:|---|---:|")
 for d in runs:
     r = json.load(open(f"{out}/{d}/result.json"))
     s = r["summary"]
@@ -97,5 +122,6 @@ for d in runs:
     queued = sum(float(x) for x in re.findall(r'^headroom_queue_depth\{[^}]*\} (\S+)', m, re.M))
     g = s["goodput"]
     n = s["requests"] if "requests" in s else s["measured"]
-    print(f"| {d} | {re.sub('[^0-9.]', '', d.split('-')[-1]) if d.startswith('sweep') else rate} | {n} | {s['completed']} | {refused} | {a-b:.0f} | {(a-b)/max(n,1):.4f} | {g['requests_per_s']:.2f} | {g['output_tokens_per_s']:.0f} | {s['ttft']['p50_ms']:.0f} / {s['ttft']['p99_ms']:.0f} | {s['tpot']['p99_ms']:.1f} | {held:.0f} / {queued:.0f} |")
+    reloads = open(f"{out}/{d}/reloads").read().strip() if os.path.exists(f"{out}/{d}/reloads") else "0"
+    print(f"| {d} | {re.sub('[^0-9.]', '', d.split('-')[-1]) if d.startswith('sweep') else rate} | {n} | {s['completed']} | {refused} | {a-b:.0f} | {(a-b)/max(n,1):.4f} | {g['requests_per_s']:.2f} | {g['output_tokens_per_s']:.0f} | {s['ttft']['p50_ms']:.0f} / {s['ttft']['p99_ms']:.0f} | {s['tpot']['p99_ms']:.1f} | {held:.0f} / {queued:.0f} | {reloads} |")
 PY
