@@ -80,8 +80,9 @@ fn bench(c: &mut Criterion) {
             })
         })
     });
+    let consistent = ConsistentHash::default();
     c.bench_function("consistent_hash_select_8_replicas", |b| {
-        b.iter(|| ConsistentHash.select(std::hint::black_box(&req), &fleet))
+        b.iter(|| consistent.select(std::hint::black_box(&req), &fleet))
     });
 }
 

@@ -250,7 +250,7 @@ pub fn build_policy(cfg: &ServeConfig) -> (Arc<dyn RoutingPolicy>, Option<Arc<Mu
         "round_robin" => (Arc::new(RoundRobin::default()), None),
         "least_load" => (Arc::new(LeastLoad), None),
         "session" => (Arc::new(Session), None),
-        "consistent_hash" => (Arc::new(ConsistentHash), None),
+        "consistent_hash" => (Arc::new(ConsistentHash::default()), None),
         "kv_events" => {
             let k = &cfg.kv_events;
             let exact = Arc::new(Mutex::new(KvIndex::new(

@@ -6,15 +6,18 @@
 //! | `round_robin` | the next healthy replica in turn |
 //! | `least_load` | fewest requests in flight; ties by rendezvous hash of the request |
 //! | `session` | rendezvous hash of the session key over healthy replicas (stable when others come and go); no key: least load |
-//! | `consistent_hash` | walk a hash ring (`VNODES` points per replica) from the request's key and take the first replica whose in-flight count is under `ceil(c · (total + 1) / healthy)`, c = `BOUND` (Mirrokni et al., consistent hashing with bounded loads): proxies that share nothing agree on most picks |
+//! | `consistent_hash` | walk a hash ring (`VNODES` points per replica) from the request's key and take the first replica whose in-flight count is under `ceil(c · (total + 1) / healthy)`, c = `BOUND` (Mirrokni et al., consistent hashing with bounded loads): proxies that share nothing agree on most picks. The key is the session, else the prompt's first block past its last branch point: the deepest of its first `BRANCH_DEPTH` blocks that recent prompts have continued in `BRANCHES` or more ways (a shared system prompt's end), so conversations that share a system prompt still spread, and every turn of one keeps its key |
 //! | `prefix_affinity` | argmin of the token cost over healthy replicas, matched depths from the approximate index |
 //! | `kv_events` | the same cost, matched depths from the engines' KV events (kv_index.rs), falling back per replica to the approximate index |
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
+use foldhash::fast::RandomState;
 use headroom_workload::BlockHash;
+use smallvec::SmallVec;
 
 use super::kv_index::{KvIndex, StreamState};
 use super::{
@@ -26,6 +29,13 @@ use super::{
 pub const VNODES: usize = 64;
 /// Load bound factor c of consistent hashing with bounded loads.
 pub const BOUND: f64 = 1.25;
+/// Distinct continuations after which a block counts as a branch point (the end of a prefix many
+/// prompts share).
+pub const BRANCHES: usize = 4;
+/// How deep into a prompt branch points are looked for, in blocks.
+pub const BRANCH_DEPTH: usize = 512;
+/// Blocks whose continuations are remembered; past it the memory starts again.
+pub const BRANCH_MEMORY: usize = 1 << 18;
 
 fn least_loaded_by<'a>(
     candidates: &[&'a BackendView],
@@ -112,13 +122,59 @@ impl RoutingPolicy for Session {
     }
 }
 
-/// Consistent hashing with bounded loads.
+/// Consistent hashing with bounded loads, keyed past the prompt's last branch point.
 #[derive(Debug, Default)]
-pub struct ConsistentHash;
+pub struct ConsistentHash {
+    /// For recently seen blocks, the distinct blocks that followed them (up to `BRANCHES`).
+    continuations: Mutex<HashMap<BlockHash, SmallVec<[BlockHash; BRANCHES]>, RandomState>>,
+}
+
+impl ConsistentHash {
+    /// The request's key: its session, else the block after the deepest branch point among its
+    /// first `BRANCH_DEPTH` blocks (its first block when none is known yet). A prefix shared by
+    /// many prompts (a system prompt) branches where it ends, so the key is the first block of
+    /// what follows it: one conversation's, the same in each of its turns.
+    pub fn key(&self, req: &RouteRequest<'_>) -> u64 {
+        if req.session.is_some() || req.blocks.is_empty() {
+            return req.hash_key();
+        }
+        let seen = self.continuations.lock().unwrap_or_else(|e| e.into_inner());
+        let depth = req.blocks.len().min(BRANCH_DEPTH);
+        let past_branch = (0..depth.saturating_sub(1))
+            .rev()
+            .find(|&i| {
+                seen.get(&req.blocks[i])
+                    .is_some_and(|c| c.len() >= BRANCHES)
+            })
+            .map_or(0, |i| i + 1);
+        req.blocks[past_branch]
+    }
+
+    /// Learns how the request's first `BRANCH_DEPTH` blocks continue.
+    fn learn(&self, blocks: &[BlockHash]) {
+        let mut seen = self.continuations.lock().unwrap_or_else(|e| e.into_inner());
+        if seen.len() >= BRANCH_MEMORY {
+            seen.clear();
+        }
+        let depth = blocks.len().min(BRANCH_DEPTH);
+        for w in blocks[..depth].windows(2) {
+            let next = seen.entry(w[0]).or_default();
+            if next.len() < BRANCHES && !next.contains(&w[1]) {
+                next.push(w[1]);
+            }
+        }
+    }
+}
 
 impl RoutingPolicy for ConsistentHash {
     fn name(&self) -> &'static str {
         "consistent_hash"
+    }
+
+    fn record(&self, req: &RouteRequest<'_>, _pick: &Pick) {
+        if req.session.is_none() {
+            self.learn(req.blocks);
+        }
     }
 
     fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
@@ -134,7 +190,7 @@ impl RoutingPolicy for ConsistentHash {
         ring.sort_unstable_by_key(|(p, b)| (*p, b.id));
         let total: u64 = h.iter().map(|b| u64::from(b.in_flight)).sum();
         let bound = (BOUND * (total + 1) as f64 / h.len() as f64).ceil() as u32;
-        let key = rendezvous(req.hash_key(), 0x5eed);
+        let key = rendezvous(self.key(req), 0x5eed);
         let start = ring.partition_point(|(p, _)| *p < key);
         let chosen = (0..ring.len())
             .map(|i| ring[(start + i) % ring.len()].1)
@@ -437,13 +493,18 @@ mod tests {
         // Two proxies that list the fleet in different orders still pick the same replicas.
         let a: Vec<usize> = keys
             .iter()
-            .map(|k| ConsistentHash.select(&req(k, 10), &f).unwrap().backend)
+            .map(|k| {
+                ConsistentHash::default()
+                    .select(&req(k, 10), &f)
+                    .unwrap()
+                    .backend
+            })
             .collect();
         let reversed: Vec<BackendView> = f.iter().rev().cloned().collect();
         let b: Vec<usize> = keys
             .iter()
             .map(|k| {
-                ConsistentHash
+                ConsistentHash::default()
                     .select(&req(k, 10), &reversed)
                     .unwrap()
                     .backend
@@ -454,7 +515,7 @@ mod tests {
         let mut without = f.clone();
         without[1].healthy = false;
         for (k, &before) in keys.iter().zip(&a) {
-            let now = ConsistentHash
+            let now = ConsistentHash::default()
                 .select(&req(k, 10), &without)
                 .unwrap()
                 .backend;
@@ -465,7 +526,10 @@ mod tests {
         // Feeding picks back as load never lets a replica exceed the bound.
         let mut f = fleet(4);
         for k in &keys[..100] {
-            let p = ConsistentHash.select(&req(k, 10), &f).unwrap().backend;
+            let p = ConsistentHash::default()
+                .select(&req(k, 10), &f)
+                .unwrap()
+                .backend;
             f[p].in_flight += 1;
             let total: u32 = f.iter().map(|b| b.in_flight).sum();
             let bound = (BOUND * f64::from(total) / 4.0).ceil() as u32 + 1;
@@ -473,6 +537,51 @@ mod tests {
         }
         let max = f.iter().map(|b| b.in_flight).max().unwrap();
         assert!(f64::from(max) <= BOUND * 25.0 + 1.0, "max {max}");
+    }
+
+    #[test]
+    fn consistent_hash_keys_past_a_shared_system_prompt_and_keeps_a_conversation_together() {
+        let f = fleet(4);
+        // 40 conversations sharing a 3-block system prompt; each turn extends the last.
+        let own = |c: u64| 10_000 + c * 1_000;
+        let turn = |c: u64, t: u64| -> Vec<u64> {
+            let mut b = vec![1, 2, 3];
+            b.extend((0..2 * t).map(|i| own(c) + i));
+            b
+        };
+        let proxy = ConsistentHash::default();
+        let pick = |p: &ConsistentHash, blocks: &[u64]| {
+            let r = req(blocks, 16 * blocks.len() as u32);
+            let pick = p.select(&r, &f).unwrap();
+            p.record(&r, &pick);
+            pick.backend
+        };
+        // Before it has seen the system prompt branch, every prompt keys on its first block.
+        assert_eq!(proxy.key(&req(&turn(7, 1), 64)), 1);
+        let first: Vec<usize> = (0..40).map(|c| pick(&proxy, &turn(c, 1))).collect();
+        assert!(first[..4].iter().all(|&b| b == first[0]), "{first:?}");
+        // Once it has: each conversation keys on its own first block, in every turn.
+        for c in 0..40 {
+            assert_eq!(proxy.key(&req(&turn(c, 1), 80)), own(c));
+            assert_eq!(proxy.key(&req(&turn(c, 3), 144)), own(c));
+        }
+        let later: Vec<usize> = (0..40).map(|c| pick(&proxy, &turn(c, 2))).collect();
+        let used: std::collections::BTreeSet<usize> = later.iter().copied().collect();
+        assert_eq!(used.len(), 4, "conversations spread: {later:?}");
+        let again: Vec<usize> = (0..40).map(|c| pick(&proxy, &turn(c, 3))).collect();
+        assert_eq!(later, again, "each conversation stays where it went");
+        // Another proxy that saw other conversations agrees once it has seen the branch too.
+        let other = ConsistentHash::default();
+        for c in 100..104 {
+            pick(&other, &turn(c, 1));
+        }
+        assert!((0..40).all(|c| other.key(&req(&turn(c, 2), 112)) == own(c)));
+        // A session header still decides alone.
+        let with_session = RouteRequest {
+            session: Some("s1"),
+            ..req(&[1, 2, 3, 4_000], 64)
+        };
+        assert_eq!(proxy.key(&with_session), with_session.hash_key());
     }
 
     #[test]
