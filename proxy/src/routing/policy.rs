@@ -34,7 +34,8 @@ pub const BOUND: f64 = 1.25;
 pub const BRANCHES: usize = 4;
 /// How deep into a prompt branch points are looked for, in blocks.
 pub const BRANCH_DEPTH: usize = 512;
-/// Blocks whose continuations are remembered; past it the memory starts again.
+/// Blocks whose continuations are remembered; past it that memory starts again (the branch points
+/// found stay known, up to the same number).
 pub const BRANCH_MEMORY: usize = 1 << 18;
 
 fn least_loaded_by<'a>(
@@ -125,8 +126,17 @@ impl RoutingPolicy for Session {
 /// Consistent hashing with bounded loads, keyed past the prompt's last branch point.
 #[derive(Debug, Default)]
 pub struct ConsistentHash {
-    /// For recently seen blocks, the distinct blocks that followed them (up to `BRANCHES`).
-    continuations: Mutex<HashMap<BlockHash, SmallVec<[BlockHash; BRANCHES]>, RandomState>>,
+    branches: Mutex<Branches>,
+}
+
+/// What `consistent_hash` has learned of how prompts continue.
+#[derive(Debug, Default)]
+struct Branches {
+    /// For recently seen blocks, the distinct blocks that followed them (fewer than `BRANCHES`).
+    continuations: HashMap<BlockHash, SmallVec<[BlockHash; BRANCHES]>, RandomState>,
+    /// Blocks seen continued in `BRANCHES` or more ways: kept when `continuations` starts again,
+    /// so keys do not fall back to the first block meanwhile.
+    points: std::collections::HashSet<BlockHash, RandomState>,
 }
 
 impl ConsistentHash {
@@ -138,29 +148,37 @@ impl ConsistentHash {
         if req.session.is_some() || req.blocks.is_empty() {
             return req.hash_key();
         }
-        let seen = self.continuations.lock().unwrap_or_else(|e| e.into_inner());
+        let b = self.branches.lock().unwrap_or_else(|e| e.into_inner());
         let depth = req.blocks.len().min(BRANCH_DEPTH);
         let past_branch = (0..depth.saturating_sub(1))
             .rev()
-            .find(|&i| {
-                seen.get(&req.blocks[i])
-                    .is_some_and(|c| c.len() >= BRANCHES)
-            })
+            .find(|&i| b.points.contains(&req.blocks[i]))
             .map_or(0, |i| i + 1);
         req.blocks[past_branch]
     }
 
     /// Learns how the request's first `BRANCH_DEPTH` blocks continue.
     fn learn(&self, blocks: &[BlockHash]) {
-        let mut seen = self.continuations.lock().unwrap_or_else(|e| e.into_inner());
-        if seen.len() >= BRANCH_MEMORY {
-            seen.clear();
+        let mut guard = self.branches.lock().unwrap_or_else(|e| e.into_inner());
+        let b = &mut *guard;
+        if b.continuations.len() >= BRANCH_MEMORY {
+            b.continuations.clear();
+        }
+        if b.points.len() >= BRANCH_MEMORY {
+            b.points.clear();
         }
         let depth = blocks.len().min(BRANCH_DEPTH);
         for w in blocks[..depth].windows(2) {
-            let next = seen.entry(w[0]).or_default();
-            if next.len() < BRANCHES && !next.contains(&w[1]) {
+            if b.points.contains(&w[0]) {
+                continue;
+            }
+            let next = b.continuations.entry(w[0]).or_default();
+            if !next.contains(&w[1]) {
                 next.push(w[1]);
+            }
+            if next.len() >= BRANCHES {
+                b.continuations.remove(&w[0]);
+                b.points.insert(w[0]);
             }
         }
     }
@@ -576,6 +594,9 @@ mod tests {
             pick(&other, &turn(c, 1));
         }
         assert!((0..40).all(|c| other.key(&req(&turn(c, 2), 112)) == own(c)));
+        // Branch points found survive the memory of continuations starting again.
+        proxy.branches.lock().unwrap().continuations.clear();
+        assert_eq!(proxy.key(&req(&turn(5, 2), 112)), own(5));
         // A session header still decides alone.
         let with_session = RouteRequest {
             session: Some("s1"),
