@@ -122,17 +122,7 @@ async fn stream(
     prompt: String,
     max_tokens: u32,
 ) -> (String, String) {
-    let resp = client
-        .post(url)
-        .json(&json!({"model": common::MODEL, "prompt": prompt,
-                      "max_tokens": max_tokens, "ignore_eos": true, "stream": true}))
-        .send()
-        .await
-        .unwrap();
-    let backend = resp.headers()["x-headroom-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let (backend, resp) = common::start_stream(&client, &url, &prompt, max_tokens).await;
     (backend, resp.text().await.unwrap())
 }
 

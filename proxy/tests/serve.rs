@@ -42,19 +42,8 @@ async fn long_stream(
     String,
     impl futures_util::Stream<Item = reqwest::Result<bytes::Bytes>>,
 ) {
-    let resp = client()
-        .post(format!("http://{addr}/v1/completions"))
-        .json(
-            &json!({"model": MODEL, "prompt": "tell me everything", "max_tokens": 5000,
-            "ignore_eos": true, "stream": true}),
-        )
-        .send()
-        .await
-        .unwrap();
-    let backend = resp.headers()["x-headroom-backend"]
-        .to_str()
-        .unwrap()
-        .to_owned();
+    let url = format!("http://{addr}/v1/completions");
+    let (backend, resp) = common::start_stream(&client(), &url, "tell me everything", 5000).await;
     let mut stream = resp.bytes_stream();
     stream.next().await.unwrap().unwrap();
     (backend, stream)

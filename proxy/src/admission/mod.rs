@@ -83,6 +83,18 @@ pub struct Snapshot {
 }
 
 impl Slot {
+    /// A permit for a request of `tokens` was taken here.
+    fn take(&mut self, tokens: u64) {
+        self.in_flight += 1;
+        self.tokens = self.tokens.saturating_add(tokens);
+    }
+
+    /// A permit for a request of `tokens` was released here.
+    fn release(&mut self, tokens: u64) {
+        self.in_flight = self.in_flight.saturating_sub(1);
+        self.tokens = self.tokens.saturating_sub(tokens);
+    }
+
     /// Whether a request of `tokens` fits the token budget (one alone always does).
     fn tokens_fit(&self, tokens: u64) -> bool {
         self.in_flight == 0
@@ -129,13 +141,10 @@ impl Inner {
 fn carry_on(mut next: Option<(Arc<Admission>, usize)>, taken: bool, tokens: u64) {
     while let Some((admission, b)) = next.take() {
         let mut g = admission.lock();
-        let slot = &mut g.slots[b];
         if taken {
-            slot.in_flight += 1;
-            slot.tokens = slot.tokens.saturating_add(tokens);
+            g.slots[b].take(tokens);
         } else {
-            slot.in_flight = slot.in_flight.saturating_sub(1);
-            slot.tokens = slot.tokens.saturating_sub(tokens);
+            g.slots[b].release(tokens);
             wake_first(&mut g, 1);
         }
         next = g.onward(b);
@@ -159,9 +168,7 @@ pub struct Permit {
 impl Drop for Permit {
     fn drop(&mut self) {
         let mut g = self.admission.lock();
-        let slot = &mut g.slots[self.backend];
-        slot.in_flight = slot.in_flight.saturating_sub(1);
-        slot.tokens = slot.tokens.saturating_sub(self.tokens);
+        g.slots[self.backend].release(self.tokens);
         let now = Instant::now();
         if let Some(prev) = g.last_done {
             let dt = now.saturating_duration_since(prev).as_secs_f64().max(1e-3);
@@ -312,8 +319,7 @@ impl Admission {
                     match pick(&room) {
                         Err(e) => return Err(Err(e)),
                         Ok(Pick::Backend(b)) => {
-                            g.slots[b].in_flight += 1;
-                            g.slots[b].tokens = g.slots[b].tokens.saturating_add(ask.tokens);
+                            g.slots[b].take(ask.tokens);
                             if let Some(mut e) = entry.take() {
                                 // Left the queue here, under the lock already held.
                                 e.armed = false;

@@ -199,11 +199,7 @@ impl PrefixIndex {
         }
         // The first block is touched last, so the prompt's tail is evicted before its head.
         for &h in blocks.iter().rev() {
-            let entry = self.holders.entry(h).or_default();
-            match entry.iter().find(|(r, _)| *r == replica) {
-                Some(&(_, node)) => lru.touch(node),
-                None => entry.push((replica, lru.push_back(h))),
-            }
+            hold(&mut self.holders, lru, replica, h);
         }
         self.evict(replica);
     }
@@ -232,11 +228,7 @@ impl PrefixIndex {
             return;
         }
         for h in old.blocks() {
-            let entry = into.holders.entry(h).or_default();
-            match entry.iter().find(|(r, _)| *r == to) {
-                Some(&(_, node)) => lru.touch(node),
-                None => entry.push((to, lru.push_back(h))),
-            }
+            hold(&mut into.holders, lru, to, h);
         }
         into.evict(to);
     }
@@ -261,6 +253,21 @@ impl PrefixIndex {
             };
             drop_holder(&mut self.holders, h, replica);
         }
+    }
+}
+
+/// Makes `h` the most recent block of `replica` (whose list is `lru`), adding it if new (a free
+/// function, so that it can run while the caller holds the replica's list).
+fn hold(
+    holders: &mut HashMap<BlockHash, Holders, RandomState>,
+    lru: &mut ReplicaLru,
+    replica: BackendId,
+    h: BlockHash,
+) {
+    let entry = holders.entry(h).or_default();
+    match entry.iter().find(|(r, _)| *r == replica) {
+        Some(&(_, node)) => lru.touch(node),
+        None => entry.push((replica, lru.push_back(h))),
     }
 }
 

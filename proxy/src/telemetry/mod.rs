@@ -369,7 +369,7 @@ impl Metrics {
             ),
             peer_pushes: counter(
                 "headroom_peer_pushes_total",
-                "Reports of work in flight pushed between peer proxies ([peers]), by direction (sent, received) and result: sent ok or failed; received ok, unmatched, self, stale (older than one already heard, skipped), unknown (from an address none of peers.addresses resolves to), unauthorized (without the peers' token), invalid (not a load report) or refused (this proxy has no [peers]).",
+                "Reports of work in flight pushed between peer proxies ([peers]), by direction (sent, received) and result: sent by the peer's answer, ok, unknown (403), unauthorized (401), refused (404) or failed (any other answer, or none in time); received ok, unmatched, self, stale (older than one already heard, skipped), unknown (from an address none of peers.addresses resolves to, unless peers.any_address), unauthorized (without the peers' token), invalid (not a load report, or over 64 KiB) or refused (this proxy has no [peers]).",
                 &["direction", "result"],
             ),
             peers_live: prometheus::IntGauge::new(

@@ -503,7 +503,7 @@ async fn poll(client: &reqwest::Client, addr: SocketAddr, timeout: Duration) -> 
 /// Why a push was not taken ([`Peers::may_push`]).
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum PushRefused {
-    /// Without a shared secret: not from a peer's address (403).
+    /// Not from a peer's address, and not taken from any address (403).
     Unknown,
     /// With one: the push did not carry it (401).
     Unauthorized,
@@ -515,7 +515,7 @@ pub enum PushRefused {
 pub enum Pushed {
     /// Taken (204).
     Ok,
-    /// 403: the peer does not know this proxy's address and has no shared secret.
+    /// 403: the peer takes pushes only from its peers' addresses, and this one is not among them.
     Unknown,
     /// 401: the peer wants a shared secret this proxy does not send.
     Unauthorized,

@@ -248,3 +248,25 @@ pub async fn recording_engine() -> (String, std::sync::Arc<Seen>) {
     tokio::spawn(async move { axum::serve(listener, app).await });
     (url, seen)
 }
+
+/// Starts a streamed completion of `max_tokens` tokens (`ignore_eos`) at `url`: the replica that
+/// serves it (the proxy's `x-headroom-backend` header) and the response, its body still to read.
+pub async fn start_stream(
+    client: &reqwest::Client,
+    url: &str,
+    prompt: &str,
+    max_tokens: u32,
+) -> (String, reqwest::Response) {
+    let resp = client
+        .post(url)
+        .json(&serde_json::json!({"model": MODEL, "prompt": prompt,
+            "max_tokens": max_tokens, "ignore_eos": true, "stream": true}))
+        .send()
+        .await
+        .unwrap();
+    let backend = resp.headers()["x-headroom-backend"]
+        .to_str()
+        .unwrap()
+        .to_owned();
+    (backend, resp)
+}
