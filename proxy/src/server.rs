@@ -734,8 +734,11 @@ impl Generation {
                     .inc();
             }
         };
-        let on_scrape: OnScrape = Arc::new(move |b, g| {
-            scrape_metrics.engine_scraped(b, g);
+        let on_scrape: OnScrape = Arc::new(move |b, g, restarted| {
+            scrape_metrics.engine_scraped(b, g, restarted);
+            if restarted {
+                policy.forget(b.id);
+            }
             if !sized_by_config {
                 if let Some(tokens) = g.kv_capacity_tokens() {
                     policy.set_capacity(b.id, (tokens / block_tokens) as usize);

@@ -1,7 +1,8 @@
 //! The `kv_events` policy against simulated replicas publishing KV events over ZMQ: the proxy
 //! learns what an engine holds even when the proxy never sent it (a late join filled from the
 //! replay socket), routes to the holder, and stops sending a prefix to a replica within a second of
-//! that replica clearing its cache or restarting.
+//! that replica clearing its cache or restarting. Without events, the approximate index of
+//! `prefix_affinity` forgets a replica whose engine the scrape finds restarted.
 
 mod common;
 
@@ -570,4 +571,84 @@ async fn vllm_hashes_from_the_models_tokenizer_match_the_engines_events() {
         0.0
     );
     h.shutdown().await;
+}
+
+const BLOCKS: &str = "headroom_prefix_index_blocks";
+
+/// A replica's series of the labelled metric `name` in the proxy's `/metrics` (NaN when absent).
+async fn backend_metric(h: &ServeHandle, name: &str, backend: &str) -> f64 {
+    let text = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    let prefix = format!("{name}{{backend=\"{backend}\"}} ");
+    text.lines()
+        .find_map(|l| l.strip_prefix(&prefix)?.trim().parse().ok())
+        .unwrap_or(f64::NAN)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn prefix_affinity_forgets_a_replica_whose_engine_restarted() {
+    let (a, b) = (sim(5, 1, &[]).await, sim(5, 1, &[]).await);
+    let h = common::proxy(&[a.url(), b.url()], None).await;
+    let base = format!("http://{}", h.addr);
+    let shared = shared_text();
+    let holder = complete(&base, &prompt(&shared, 0)).await;
+    for tail in 1..=3 {
+        assert_eq!(complete(&base, &prompt(&shared, tail)).await, holder);
+    }
+    let (restarting, other) = if holder == name(&a) { (a, b) } else { (b, a) };
+    let held = backend_metric(&h, BLOCKS, &holder).await;
+    assert!(held > 0.0, "the proxy's history holds the prefix: {held}");
+    assert_eq!(backend_metric(&h, BLOCKS, &name(&other)).await, 0.0);
+    // Let a scrape see the engine's counters before the restart.
+    let scraped_before = Instant::now();
+    while backend_metric(
+        &h,
+        "headroom_engine_prefix_cache_queries_tokens_total",
+        &holder,
+    )
+    .await
+        <= 0.0
+    {
+        assert!(
+            scraped_before.elapsed() < Duration::from_secs(5),
+            "no scrape"
+        );
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    assert_eq!(
+        backend_metric(&h, "headroom_engine_restarts_total", &holder).await,
+        0.0
+    );
+
+    // A new engine process on the same address: empty cache, counters from zero.
+    let addr = restarting.addr;
+    restarting.shutdown().await.unwrap();
+    let replica = common::sim_args(5, 1, &[]).build_replica(0).unwrap();
+    let restarted = headroom_sim::start_replica(replica, addr).await.unwrap();
+    let t0 = Instant::now();
+    while backend_metric(&h, BLOCKS, &holder).await > 0.0 {
+        assert!(
+            t0.elapsed() < Duration::from_secs(2),
+            "the history of the restarted replica is still held"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    println!("history forgotten {:?} after the restart", t0.elapsed());
+    assert_eq!(
+        backend_metric(&h, "headroom_engine_restarts_total", &holder).await,
+        1.0
+    );
+    // The proxy learns the replica again from what it sends it, and routes as before.
+    let again = complete(&base, &prompt(&shared, 9)).await;
+    for tail in 10..=12 {
+        assert_eq!(complete(&base, &prompt(&shared, tail)).await, again);
+    }
+    assert!(backend_metric(&h, BLOCKS, &again).await > 0.0);
+    assert_eq!(
+        backend_metric(&h, "headroom_engine_restarts_total", &holder).await,
+        1.0,
+        "one restart, counted once"
+    );
+    h.shutdown().await;
+    restarted.shutdown().await.unwrap();
+    other.shutdown().await.unwrap();
 }

@@ -251,6 +251,20 @@ impl Metrics {
         ])
         .set(1.0);
 
+        // prometheus_client's process collector, which vLLM's API server exposes: when this replica
+        // started, in seconds since the Unix epoch (a proxy tells a restarted engine by it).
+        let start = prometheus::Gauge::new(
+            "process_start_time_seconds",
+            "Start time of the process since unix epoch in seconds.",
+        )
+        .expect("valid gauge");
+        b.register(start.clone());
+        start.set(
+            std::time::SystemTime::now()
+                .duration_since(std::time::UNIX_EPOCH)
+                .map_or(0.0, |d| (d.as_secs_f64() * 100.0).round() / 100.0),
+        );
+
         Self {
             running: b.gauge("vllm:num_requests_running", "Number of requests in model execution batches."),
             waiting: b.gauge("vllm:num_requests_waiting", "Number of requests waiting to be processed."),

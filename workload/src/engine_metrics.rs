@@ -22,6 +22,13 @@ pub struct EngineGauges {
     pub num_gpu_blocks: Option<u64>,
     /// Tokens per KV block (`vllm:cache_config_info{block_size}`).
     pub block_size: Option<u64>,
+    /// Prompt tokens processed since start (`vllm:prompt_tokens_total`).
+    pub prompt_tokens_total: Option<f64>,
+    /// Output tokens generated since start (`vllm:generation_tokens_total`).
+    pub generation_tokens_total: Option<f64>,
+    /// When the serving process started, in Unix seconds (`process_start_time_seconds`, from
+    /// prometheus_client's process collector; absent in vLLM's multi-process metrics mode).
+    pub process_start_time: Option<f64>,
 }
 
 impl EngineGauges {
@@ -49,6 +56,12 @@ impl EngineGauges {
                 "vllm:prefix_cache_hits_total" | "vllm:gpu_prefix_cache_hits_total" => {
                     &mut g.prefix_hits_total
                 }
+                "vllm:prompt_tokens_total" => &mut g.prompt_tokens_total,
+                "vllm:generation_tokens_total" => &mut g.generation_tokens_total,
+                "process_start_time_seconds" => {
+                    g.process_start_time = Some(value);
+                    continue;
+                }
                 "vllm:cache_config_info" => {
                     g.num_gpu_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
                     g.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
@@ -62,6 +75,34 @@ impl EngineGauges {
             g.kv_usage = g.kv_usage.map(|sum| sum / kv_engines);
         }
         g
+    }
+
+    /// Whether the engine restarted between the scrape `before` and this one, so that it lost its
+    /// prefix cache:
+    ///
+    /// ```text
+    /// restarted ⇔ |start − start_before| > 1 s  ∨  ∃ c ∈ C: c < c_before
+    /// C = { prompt tokens, generation tokens, prefix-cache queries, preemptions } (totals)
+    /// ```
+    ///
+    /// A counter only goes back when the process that keeps it starts again (a pod replaced
+    /// behind the same address, a crash and restart). The start time catches a restart that
+    /// served more than its predecessor before the next scrape; the counters catch it where the
+    /// start time is not exported. Series absent from either scrape say nothing.
+    pub fn restarted_since(&self, before: &EngineGauges) -> bool {
+        if let (Some(now), Some(then)) = (self.process_start_time, before.process_start_time) {
+            if (now - then).abs() > 1.0 {
+                return true;
+            }
+        }
+        [
+            (self.prompt_tokens_total, before.prompt_tokens_total),
+            (self.generation_tokens_total, before.generation_tokens_total),
+            (self.prefix_queries_total, before.prefix_queries_total),
+            (self.preemptions_total, before.preemptions_total),
+        ]
+        .into_iter()
+        .any(|pair| matches!(pair, (Some(now), Some(then)) if now < then))
     }
 
     /// KV capacity in tokens (one block is the engine's null block and never holds data).
@@ -128,6 +169,35 @@ vllm:prefix_cache_hits_total{engine="0",model_name="m"} 250
 vllm:cache_config_info{block_size="16",cache_dtype="auto",engine="0",num_gpu_blocks="101"} 1.0
 vllm:num_requests_running_total_bogus 9
 "#;
+
+    #[test]
+    fn a_restart_shows_as_a_new_start_time_or_a_counter_going_back() {
+        let before = EngineGauges::parse(
+            "process_start_time_seconds 1700000000.25\n\
+             vllm:prompt_tokens_total{engine=\"0\"} 5000\n\
+             vllm:generation_tokens_total{engine=\"0\"} 800\n\
+             vllm:prefix_cache_queries_total{engine=\"0\"} 5000\n",
+        );
+        assert_eq!(before.process_start_time, Some(1_700_000_000.25));
+        assert_eq!(before.prompt_tokens_total, Some(5000.0));
+        let later = |text: &str| EngineGauges::parse(text).restarted_since(&before);
+        // The same process, further on: counters grew, start time unchanged.
+        assert!(!later(
+            "process_start_time_seconds 1700000000.25\nvllm:prompt_tokens_total 9000\n"
+        ));
+        // Nothing comparable scraped: no claim.
+        assert!(!later("vllm:num_requests_running 1\n"));
+        // A new process that already served more than the old one: the start time tells.
+        assert!(later(
+            "process_start_time_seconds 1700000600\nvllm:prompt_tokens_total 9000\n"
+        ));
+        // No start time exported (multi-process mode): a counter that went back tells.
+        assert!(later("vllm:generation_tokens_total 10\n"));
+        assert!(later(
+            "vllm:prompt_tokens_total 0\nvllm:generation_tokens_total 900\n"
+        ));
+        assert!(!EngineGauges::default().restarted_since(&before));
+    }
 
     #[test]
     fn reads_vllm_gauges_summed_over_engines_and_kv_usage_averaged() {

@@ -138,6 +138,10 @@ pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
     /// policies forget what the replica must have evicted.
     fn set_capacity(&self, _backend: BackendId, _blocks: usize) {}
 
+    /// Told that a replica lost its prefix cache (its engine restarted), so history-based policies
+    /// forget what they sent it; what it can hold stays known.
+    fn forget(&self, _backend: BackendId) {}
+
     /// Blocks the policy's prefix index holds for a replica (history-based policies).
     fn index_blocks(&self, _backend: BackendId) -> Option<usize> {
         None

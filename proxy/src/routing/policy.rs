@@ -321,6 +321,10 @@ impl RoutingPolicy for PrefixAffinity {
         self.with_index(|ix| ix.set_capacity(backend, blocks));
     }
 
+    fn forget(&self, backend: BackendId) {
+        self.with_index(|ix| ix.forget(backend));
+    }
+
     fn index_blocks(&self, backend: BackendId) -> Option<usize> {
         Some(self.with_index(|ix| ix.len(backend)))
     }
@@ -399,6 +403,12 @@ impl RoutingPolicy for KvEvents {
 
     fn set_capacity(&self, backend: BackendId, blocks: usize) {
         self.approx.set_capacity(backend, blocks);
+    }
+
+    // The exact index hears of a restart from the events themselves (sequence numbers going
+    // back); the fallback history must be told.
+    fn forget(&self, backend: BackendId) {
+        self.approx.forget(backend);
     }
 
     fn index_blocks(&self, backend: BackendId) -> Option<usize> {

@@ -7,7 +7,7 @@
 //! | `overlaps(blocks)` | one hash lookup per matched block (walks the chain once for all replicas) |
 //! | `record(replica, blocks)` | one hash lookup and one list move per block, plus evictions |
 //! | eviction | one list pop and one hash lookup per block evicted |
-//! | `remove_replica` | proportional to the replica's entries |
+//! | `forget` | proportional to the replica's entries |
 //!
 //! Capacity is in blocks: `kv_capacity_tokens / block_tokens` for each replica (from
 //! `vllm:cache_config_info`), so the index forgets about as fast as the replica's cache does.
@@ -204,11 +204,14 @@ impl PrefixIndex {
         self.evict(replica);
     }
 
-    /// Forgets everything about a replica (it left the fleet or lost its cache).
-    pub fn remove_replica(&mut self, replica: BackendId) {
+    /// Forgets every block a replica holds (it lost its cache); its capacity stays.
+    pub fn forget(&mut self, replica: BackendId) {
         if let Some(lru) = self.replicas.remove(&replica) {
             for h in lru.blocks() {
                 drop_holder(&mut self.holders, h, replica);
+            }
+            if let Some(blocks) = lru.capacity {
+                self.set_capacity(replica, blocks);
             }
         }
     }
@@ -378,15 +381,21 @@ mod tests {
     }
 
     #[test]
-    fn removing_a_replica_forgets_only_it() {
+    fn forgetting_a_replica_drops_only_its_blocks_and_keeps_its_capacity() {
         let mut ix = PrefixIndex::new();
-        ix.set_capacity(0, 10);
+        ix.set_capacity(0, 2);
         ix.set_capacity(1, 10);
         ix.record(0, &[1, 2]);
         ix.record(1, &[1, 2]);
-        ix.remove_replica(0);
-        assert_eq!(ix.overlaps(&[1, 2]), vec![(1, 2)]);
-        ix.remove_replica(1);
+        ix.forget(0);
+        assert_eq!(ix.overlaps(&[1, 2]), vec![(0, 0), (1, 2)]);
+        assert_eq!(ix.len(0), 0);
+        // Still two blocks' room: a longer prompt keeps only its head.
+        ix.record(0, &[7, 8, 9]);
+        assert_eq!(ix.len(0), 2);
+        assert_eq!(ix.overlaps(&[7, 8]), vec![(0, 2), (1, 0)]);
+        ix.forget(0);
+        ix.forget(1);
         assert!(ix.is_empty());
     }
 
@@ -395,8 +404,8 @@ mod tests {
         use std::collections::VecDeque;
         let mut ix = PrefixIndex::new();
         let mut naive: Vec<VecDeque<u64>> = vec![VecDeque::new(); 3];
-        // None: capacity unknown, nothing evicted (as after a replica is forgotten and relearnt).
-        let mut caps: Vec<Option<usize>> = vec![Some(20); 3];
+        // Each replica's capacity; forgetting its blocks keeps it.
+        let mut caps: Vec<usize> = vec![20; 3];
         for r in 0..3 {
             ix.set_capacity(r, 20);
         }
@@ -407,8 +416,8 @@ mod tests {
             x ^= x << 17;
             x
         };
-        let trim = |q: &mut VecDeque<u64>, cap: Option<usize>| {
-            while cap.is_some_and(|c| q.len() > c) {
+        let trim = |q: &mut VecDeque<u64>, cap: usize| {
+            while q.len() > cap {
                 q.pop_front();
             }
         };
@@ -419,13 +428,12 @@ mod tests {
                 0..=1 => {
                     let cap = (next() % 30) as usize;
                     ix.set_capacity(r, cap);
-                    caps[r] = Some(cap);
+                    caps[r] = cap;
                     trim(&mut naive[r], caps[r]);
                 }
                 2 => {
-                    ix.remove_replica(r);
+                    ix.forget(r);
                     naive[r].clear();
-                    caps[r] = None;
                 }
                 _ => {}
             }
@@ -437,7 +445,7 @@ mod tests {
                 assert_eq!(d, expect);
             }
             ix.record(r, &blocks);
-            if caps[r] != Some(0) {
+            if caps[r] != 0 {
                 for &b in blocks.iter().rev() {
                     naive[r].retain(|&y| y != b);
                     naive[r].push_back(b);

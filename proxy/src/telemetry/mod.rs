@@ -172,6 +172,7 @@ struct BackendGauges {
     prefix_hits: FloatCounterVec,
     prefix_hit_ratio: FloatGaugeVec,
     index_blocks: FloatGaugeVec,
+    restarts: FloatCounterVec,
 }
 
 /// Running totals already exported per replica, so counters advance by differences.
@@ -619,6 +620,10 @@ impl Metrics {
                     "headroom_engine_prefix_cache_hit_ratio",
                     "Prefix-cache hits over queries between the last two scrapes.",
                 ),
+                restarts: fcounter(
+                    "headroom_engine_restarts_total",
+                    "Engine restarts found by the scrape (its start time or a counter went back); each one empties the proxy's approximate prefix history of the replica.",
+                ),
             },
             backend_pool: FloatGaugeVec::new(
                 Opts::new(
@@ -752,6 +757,7 @@ impl Metrics {
             Box::new(b.prefix_hits.clone()),
             Box::new(b.prefix_hit_ratio.clone()),
             Box::new(b.index_blocks.clone()),
+            Box::new(b.restarts.clone()),
             Box::new(m.kv_events.batches.clone()),
             Box::new(m.kv_events.gaps.clone()),
             Box::new(m.kv_events.losses.clone()),
@@ -786,10 +792,14 @@ impl Metrics {
     }
 
     /// Records a scrape of `b`'s engine: counters advance by what the engine's counters advanced
-    /// (an engine restart, where they fall, counts from zero again).
-    pub fn engine_scraped(&self, b: &Backend, g: &EngineGauges) {
+    /// (an engine restart, where they fall, counts from zero again), and `restarted` counts one.
+    pub fn engine_scraped(&self, b: &Backend, g: &EngineGauges, restarted: bool) {
         let name = b.name.as_str();
         let bg = &self.backend;
+        let restarts = bg.restarts.with_label_values(&[name]);
+        if restarted {
+            restarts.inc();
+        }
         let set = |v: &FloatGaugeVec, x: Option<f64>| {
             if let Some(x) = x {
                 v.with_label_values(&[name]).set(x);

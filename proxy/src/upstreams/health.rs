@@ -84,8 +84,14 @@ async fn models(client: &reqwest::Client, b: &Backend, timeout: Duration) -> Opt
     )
 }
 
-/// Called with each successful scrape.
-pub type OnScrape = Arc<dyn Fn(&Backend, &EngineGauges) + Send + Sync>;
+/// Called with each successful scrape, and whether it found the engine restarted since the one
+/// before ([`EngineGauges::restarted_since`]).
+pub type OnScrape = Arc<dyn Fn(&Backend, &EngineGauges, bool) + Send + Sync>;
+
+/// Restarts of one replica closer together than this are logged at debug level only (an address
+/// whose every scrape finds a new engine is several engines behind one load balancer; the
+/// restart counter shows it without a line per scrape).
+const RESTART_LOG_QUIET: Duration = Duration::from_secs(60);
 
 /// Scrapes every replica's `/metrics` each `interval_ms` until `stop` turns true (never when 0).
 pub async fn scrape_loop(
@@ -113,11 +119,28 @@ pub async fn scrape_loop(
             };
             let own_in_flight = b.load().in_flight;
             let gauges = EngineGauges::parse(&text);
-            on_scrape(&b, &gauges);
+            let (restarted, last_restart) = {
+                let before = b.engine.lock().unwrap_or_else(|e| e.into_inner());
+                (gauges.restarted_since(&before.gauges), before.last_restart)
+            };
+            let now = Instant::now();
+            if restarted {
+                if last_restart.is_some_and(|t| now.duration_since(t) < RESTART_LOG_QUIET) {
+                    tracing::debug!(backend = %b.name, "engine restarted again within a minute");
+                } else {
+                    tracing::info!(
+                        backend = %b.name,
+                        "engine restarted (its start time or counters went back): its prefix \
+                         cache is empty and the proxy's history of it is forgotten"
+                    );
+                }
+            }
+            on_scrape(&b, &gauges, restarted);
             *b.engine.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
                 gauges,
-                at: Some(Instant::now()),
+                at: Some(now),
                 own_in_flight,
+                last_restart: if restarted { Some(now) } else { last_restart },
             };
         },
     )

@@ -90,6 +90,8 @@ pub struct Scraped {
     pub at: Option<Instant>,
     /// Requests this proxy had in flight to the replica when the scrape answered.
     pub own_in_flight: u32,
+    /// When a scrape last found the engine restarted.
+    pub last_restart: Option<Instant>,
 }
 
 impl Scraped {
@@ -626,6 +628,7 @@ mod tests {
             },
             at: None,
             own_in_flight: own,
+            last_restart: None,
         };
         assert_eq!(scraped(Some(7.0), Some(2.0), 4).foreign(), 5);
         // Our requests may be counted by us before the engine sees them: never negative.
