@@ -59,17 +59,19 @@ fn read(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-fn tempdir(name: &str) -> std::path::PathBuf {
-    let dir = std::env::temp_dir().join(format!("headroom-test-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
-    std::fs::create_dir_all(&dir).unwrap();
-    dir
+/// A fresh scratch directory, removed when the guard drops (a failing test included).
+fn tempdir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("headroom-test-{name}-"))
+        .tempdir()
+        .expect("a scratch directory")
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_hit_contracted_lengths_on_both_endpoints_and_write_their_contract() {
     let r = sim().await;
-    let dir = tempdir("replay");
+    let scratch = tempdir("replay");
+    let dir = scratch.path();
     let trace = dir.join("rag.jsonl");
     write_jsonl(
         std::fs::File::create(&trace).unwrap(),
@@ -145,7 +147,8 @@ async fn replays_hit_contracted_lengths_on_both_endpoints_and_write_their_contra
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
     let r = sim().await;
-    let dir = tempdir("shards");
+    let scratch = tempdir("shards");
+    let dir = scratch.path();
     let trace = dir.join("chat.jsonl");
     write_jsonl(
         std::fs::File::create(&trace).unwrap(),

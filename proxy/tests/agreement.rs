@@ -19,7 +19,8 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_and_the_client_agree_on_every_request() {
     let r = sim(20, 8, &[]).await;
-    let dir = temp_dir("agree");
+    let scratch = temp_dir("agree");
+    let dir = scratch.path();
     let path = dir.join("trace.jsonl");
     let p = proxy(&[r.url()], Some(&path)).await;
     // 60 chat requests at ~15/s, prompts of a few hundred tokens, 20-60 tokens out.
@@ -110,5 +111,4 @@ async fn the_proxy_and_the_client_agree_on_every_request() {
     assert!(stats["backends"][0]["engine"]["kv_cache_usage"].is_number());
     p.shutdown().await;
     r.shutdown().await.unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }

@@ -110,7 +110,8 @@ async fn clients_receive_the_bytes_they_would_without_headroom() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
     let r = sim(1, 1, &[]).await;
-    let dir = temp_dir("roundtrip");
+    let scratch = temp_dir("roundtrip");
+    let dir = scratch.path();
     let first = dir.join("first.jsonl");
     // Conversations whose context grows, sharing system prompts: real prefix structure.
     let original = headroom_loadtest::contracts::synthesize(
@@ -180,14 +181,14 @@ async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
     let ideal = |t: &[TraceRecord]| offline_prefix_hit_rate(t, u64::MAX / 2);
     assert!((ideal(&rc) - ideal(&o)).abs() < 1e-9);
     r.shutdown().await.unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn prompt_text_never_reaches_a_capture() {
     const CANARY: &str = "zqxcanary7731";
     let r = sim(1, 1, &[]).await;
-    let dir = temp_dir("privacy");
+    let scratch = temp_dir("privacy");
+    let dir = scratch.path();
     let path = dir.join("t.jsonl");
     let p = proxy(&[r.url()], Some(&path)).await;
     let c = reqwest::Client::new();
@@ -224,5 +225,4 @@ async fn prompt_text_never_reaches_a_capture() {
     assert!(!text.contains(CANARY) && !text.contains("zqx"), "{text}");
     p.shutdown().await;
     r.shutdown().await.unwrap();
-    let _ = std::fs::remove_dir_all(&dir);
 }

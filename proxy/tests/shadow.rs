@@ -114,7 +114,8 @@ async fn shadow_stats(h: &ServeHandle, done: impl Fn(&Value) -> bool) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_are_measured_and_agree_on_an_equal_candidate() {
     let (a, b) = (sim(5, 2, &[]).await, sim(20, 4, &[]).await);
-    let dir = temp_dir("shadow-agree");
+    let scratch = temp_dir("shadow-agree");
+    let dir = scratch.path();
     let capture = dir.join("capture.jsonl");
     let p = shadowing(a.url(), b.url(), shadow_to_candidate(), Some(&capture)).await;
     for i in 0..12 {

@@ -85,11 +85,12 @@ pub async fn stats(h: &ServeHandle) -> serde_json::Value {
 /// The model the simulator serves.
 pub const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
-/// A fresh temporary directory for this process.
-pub fn temp_dir(name: &str) -> std::path::PathBuf {
-    let d = std::env::temp_dir().join(format!("headroom-{name}-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&d);
-    d
+/// A fresh scratch directory, removed when the guard drops (a failing test included).
+pub fn temp_dir(name: &str) -> tempfile::TempDir {
+    tempfile::Builder::new()
+        .prefix(&format!("headroom-{name}-"))
+        .tempdir()
+        .expect("a scratch directory")
 }
 
 /// The proxy in front of `urls` (prefix affinity), capturing to `capture` when given.
