@@ -13,7 +13,8 @@ fn headroom(args: &[&str]) -> std::process::Output {
 
 #[test]
 fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
-    let out_dir = std::env::temp_dir().join(format!("headroom-demo-{}", std::process::id()));
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let out_dir = scratch.path().join("out");
     let out = headroom(&[
         "demo",
         "--requests",
@@ -116,7 +117,6 @@ fn a_small_demo_runs_end_to_end_and_writes_its_contract() {
         stdout.contains("headroom's own passive measurement"),
         "{stdout}"
     );
-    let _ = std::fs::remove_dir_all(&out_dir);
 }
 
 #[test]
@@ -148,8 +148,8 @@ fn the_capacity_note_of_8b_on_h100() {
         text.contains("recommended admission cap: 180 sequences"),
         "{text}"
     );
-    let dir = std::env::temp_dir().join(format!("headroom-capacity-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let dir = scratch.path();
     let config = dir.join("config.json");
     std::fs::write(
         &config,
@@ -171,7 +171,6 @@ fn the_capacity_note_of_8b_on_h100() {
     assert!(out.status.success());
     let note: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(note["kv_bytes_per_token"], 65536.0);
-    let _ = std::fs::remove_dir_all(&dir);
 }
 
 #[test]
@@ -262,8 +261,8 @@ fn bad_input_gets_a_clear_error() {
 
 #[test]
 fn a_config_file_may_leave_the_backends_to_the_flag_and_errors_print_once() {
-    let dir = std::env::temp_dir().join(format!("headroom-cfg-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let dir = scratch.path();
     let no_backends = dir.join("routing-only.toml");
     std::fs::write(&no_backends, "[routing]\nmax_hashed_tokens = 131072\n").unwrap();
     let path = no_backends.to_str().unwrap();
@@ -319,7 +318,6 @@ fn a_config_file_may_leave_the_backends_to_the_flag_and_errors_print_once() {
     let stderr = String::from_utf8_lossy(&out.stderr);
     assert_eq!(stderr.matches("TOML parse error").count(), 1, "{stderr}");
     assert!(stderr.contains("line 1, column 10"), "{stderr}");
-    std::fs::remove_dir_all(&dir).unwrap();
 }
 
 /// A child process whose stdout's first line is its URL; killed when dropped.
@@ -368,11 +366,10 @@ impl Child {
 #[test]
 fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
     const CANARY: &str = "qqcanaryword4409";
-    let dir = std::env::temp_dir().join(format!("headroom-serve-capture-{}", std::process::id()));
-    let _ = std::fs::remove_dir_all(&dir);
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let dir = scratch.path();
     let capture = dir.join("capture.jsonl");
     let sim = Child::start(&["sim", "--port", "0", "--latency-model", "constant"]);
-    std::fs::create_dir_all(&dir).unwrap();
     let config = dir.join("headroom.toml");
     std::fs::write(
         &config,
@@ -468,5 +465,4 @@ fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
     let info: serde_json::Value = serde_json::from_slice(&out.stdout).unwrap();
     assert_eq!(info["requests"], 3);
     assert_eq!(info["output_tokens_total"], 4 + 2 + 3);
-    let _ = std::fs::remove_dir_all(&dir);
 }

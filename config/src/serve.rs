@@ -480,7 +480,8 @@ impl Default for HealthConfig {
 #[derive(Debug, Clone, PartialEq, Deserialize, Serialize, schemars::JsonSchema)]
 #[serde(deny_unknown_fields, default)]
 pub struct ScrapeConfig {
-    /// Time between scrapes; 0 turns scraping off.
+    /// Time between scrapes; 0 turns scraping off (and with it the engine gauges, the prefix
+    /// index and admission sized from the KV capacity, and restart detection).
     pub interval_ms: u64,
     /// A scrape slower than this is skipped.
     pub timeout_ms: u64,

@@ -59,18 +59,10 @@ fn read(path: &Path) -> Value {
     serde_json::from_str(&std::fs::read_to_string(path).unwrap()).unwrap()
 }
 
-/// A fresh scratch directory, removed when the guard drops (a failing test included).
-fn tempdir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("headroom-test-{name}-"))
-        .tempdir()
-        .expect("a scratch directory")
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn replays_hit_contracted_lengths_on_both_endpoints_and_write_their_contract() {
     let r = sim().await;
-    let scratch = tempdir("replay");
+    let scratch = tempfile::tempdir().expect("a scratch directory");
     let dir = scratch.path();
     let trace = dir.join("rag.jsonl");
     write_jsonl(
@@ -147,7 +139,7 @@ async fn replays_hit_contracted_lengths_on_both_endpoints_and_write_their_contra
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
     let r = sim().await;
-    let scratch = tempdir("shards");
+    let scratch = tempfile::tempdir().expect("a scratch directory");
     let dir = scratch.path();
     let trace = dir.join("chat.jsonl");
     write_jsonl(

@@ -134,7 +134,10 @@ impl ServeHandle {
             lifecycle: self.lifecycle.clone(),
             proxy_id: self.proxy_id,
         };
-        let next = Generation::start(Arc::new(cfg), &shared, Some(&self.generation))?;
+        let held = &self.generation.scrapes_held;
+        held.store(true, std::sync::atomic::Ordering::SeqCst);
+        let next = Generation::start(Arc::new(cfg), &shared, Some(&self.generation))
+            .inspect_err(|_| held.store(false, std::sync::atomic::Ordering::SeqCst))?;
         if let (Some(old), Some(new)) = (&self.generation.live.admission, &next.live.admission) {
             let pairs = next.live.fleet.same_replicas(&self.generation.live.fleet);
             let learned = cap_settings(&self.generation.cfg) == cap_settings(&next.cfg);
@@ -225,6 +228,10 @@ struct Generation {
     live: Live,
     /// Set when a newer config replaces this one: its keep-alive connections then close.
     retired: Arc<std::sync::atomic::AtomicBool>,
+    /// Set while a newer config is being built from this one's state: this config's scrapes are
+    /// then dropped unread, so a restart the scrape finds is counted and acted on once, by the
+    /// config that carries the state on (cleared again when the new config fails to start).
+    scrapes_held: Arc<std::sync::atomic::AtomicBool>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -565,6 +572,11 @@ impl Generation {
         if let (Some(p), Some(new)) = (previous, &kv_index) {
             carry_events(p, &fleet, &cfg, new);
         }
+        // Before any loop of this config starts: a restart the first scrape or event finds must
+        // forget what was carried, not be overwritten by it.
+        if let Some(p) = previous {
+            carry_history(p, &fleet, &cfg, policy.as_ref());
+        }
         let index_policy = policy.clone();
         let metrics = &shared.metrics;
         let a = &cfg.admission;
@@ -655,6 +667,7 @@ impl Generation {
         ));
 
         let (stop, stop_rx) = watch::channel(false);
+        let scrapes_held = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let mut tasks = Vec::new();
         if let Some(index) = &kv_index {
             for (id, b) in cfg.backends.iter().enumerate() {
@@ -668,6 +681,7 @@ impl Generation {
                     replay: b.kv_events_replay.clone(),
                     topic: cfg.kv_events.topic.clone(),
                     replay_timeout: Duration::from_millis(cfg.kv_events.replay_timeout_ms),
+                    policy: policy.clone(),
                 };
                 tasks.push(tokio::spawn(subscribe_loop(
                     src,
@@ -775,11 +789,9 @@ impl Generation {
             cfg.scrape.clone(),
             http,
             on_scrape,
+            scrapes_held.clone(),
             stop_rx,
         )));
-        if let Some(p) = previous {
-            carry_history(p, &fleet, &cfg, index_policy.as_ref());
-        }
         Ok(Self {
             cfg: cfg.clone(),
             live: Live {
@@ -792,6 +804,7 @@ impl Generation {
                 shadows,
             },
             retired,
+            scrapes_held,
             stop,
             tasks,
         })

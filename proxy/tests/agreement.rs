@@ -4,7 +4,7 @@
 
 use std::sync::Arc;
 
-use common::{options, proxy, read_capture, sim, temp_dir};
+use common::{options, proxy, read_capture, sim};
 use headroom_loadtest::replay::{Counters, run};
 use headroom_workload::trace::TraceRecord;
 
@@ -19,7 +19,7 @@ fn percentile(v: &mut [f64], p: f64) -> f64 {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_proxy_and_the_client_agree_on_every_request() {
     let r = sim(20, 8, &[]).await;
-    let scratch = temp_dir("agree");
+    let scratch = tempfile::tempdir().expect("a scratch directory");
     let dir = scratch.path();
     let path = dir.join("trace.jsonl");
     let p = proxy(&[r.url()], Some(&path)).await;

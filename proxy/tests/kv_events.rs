@@ -69,6 +69,9 @@ fn kv_config(replicas: &[(&RunningReplica, Ports)]) -> ServeConfig {
             ..BackendConfig::at(&r.url())
         })
         .collect();
+    // What these proxies know of the engines comes from the events alone (the scrape's own
+    // restart detection is tested with `prefix_affinity` below).
+    cfg.scrape.interval_ms = 0;
     cfg.validated().unwrap()
 }
 
@@ -259,6 +262,20 @@ async fn a_restarted_replica_is_forgotten_at_its_first_event() {
         s[0]["next_seq"].as_u64() >= Some(4) && s[1]["blocks"].as_u64() > Some(0)
     })
     .await;
+    // A prompt only a holds goes to a through the proxy, so the fallback history holds a's
+    // blocks too.
+    let own = format!("only on a {shared}");
+    let before = kv_stats(&h).await[0]["blocks"].as_u64().unwrap();
+    complete(&a.url(), &prompt(&own, 0)).await;
+    wait_for(&h, Duration::from_secs(5), |s| {
+        s[0]["blocks"].as_u64() > Some(before)
+    })
+    .await;
+    assert_eq!(
+        complete(&format!("http://{}", h.addr), &prompt(&own, 1)).await,
+        name(&a)
+    );
+    assert!(backend_metric(&h, BLOCKS, &name(&a)).await > 0.0);
 
     // Restart a: a new engine process (empty cache, numbering from 0) on the same addresses.
     let addr = a.addr;
@@ -297,6 +314,9 @@ async fn a_restarted_replica_is_forgotten_at_its_first_event() {
             break;
         }
     }
+    // The subscriber told the policy: its fallback history of a is gone too (the scrape, which
+    // could also have found the restart, is off here).
+    assert_eq!(backend_metric(&h, BLOCKS, &name(&a)).await, 0.0);
     for tail in 1..=4 {
         assert_eq!(
             complete(&format!("http://{}", h.addr), &prompt(&shared, tail)).await,
@@ -600,13 +620,14 @@ async fn prefix_affinity_forgets_a_replica_whose_engine_restarted() {
     assert_eq!(backend_metric(&h, BLOCKS, &name(&other)).await, 0.0);
     // Let a scrape see the engine's counters before the restart.
     let scraped_before = Instant::now();
-    while backend_metric(
+    // (Absent reads as NaN, which is not above zero either.)
+    while !(backend_metric(
         &h,
         "headroom_engine_prefix_cache_queries_tokens_total",
         &holder,
     )
     .await
-        <= 0.0
+        > 0.0)
     {
         assert!(
             scraped_before.elapsed() < Duration::from_secs(5),

@@ -5,7 +5,7 @@
 
 use std::sync::Arc;
 
-use common::{MODEL, options, proxy, read_capture, sim, temp_dir};
+use common::{MODEL, options, proxy, read_capture, sim};
 use headroom_loadtest::replay::{Counters, run};
 use headroom_workload::trace::{TraceRecord, offline_prefix_hit_rate};
 use serde_json::{Value, json};
@@ -110,7 +110,7 @@ async fn clients_receive_the_bytes_they_would_without_headroom() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
     let r = sim(1, 1, &[]).await;
-    let scratch = temp_dir("roundtrip");
+    let scratch = tempfile::tempdir().expect("a scratch directory");
     let dir = scratch.path();
     let first = dir.join("first.jsonl");
     // Conversations whose context grows, sharing system prompts: real prefix structure.
@@ -187,7 +187,7 @@ async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
 async fn prompt_text_never_reaches_a_capture() {
     const CANARY: &str = "zqxcanary7731";
     let r = sim(1, 1, &[]).await;
-    let scratch = temp_dir("privacy");
+    let scratch = tempfile::tempdir().expect("a scratch directory");
     let dir = scratch.path();
     let path = dir.join("t.jsonl");
     let p = proxy(&[r.url()], Some(&path)).await;

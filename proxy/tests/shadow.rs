@@ -7,7 +7,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::{MODEL, metric_sum, read_capture, sim, stats, temp_dir};
+use common::{MODEL, metric_sum, read_capture, sim, stats};
 use headroom_config::serve::{PoolConfig, ServeConfig, ShadowConfig};
 use headroom_proxy::ServeHandle;
 use serde_json::{Value, json};
@@ -114,7 +114,7 @@ async fn shadow_stats(h: &ServeHandle, done: impl Fn(&Value) -> bool) -> Value {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn copies_are_measured_and_agree_on_an_equal_candidate() {
     let (a, b) = (sim(5, 2, &[]).await, sim(20, 4, &[]).await);
-    let scratch = temp_dir("shadow-agree");
+    let scratch = tempfile::tempdir().expect("a scratch directory");
     let dir = scratch.path();
     let capture = dir.join("capture.jsonl");
     let p = shadowing(a.url(), b.url(), shadow_to_candidate(), Some(&capture)).await;

@@ -405,8 +405,9 @@ impl RoutingPolicy for KvEvents {
         self.approx.set_capacity(backend, blocks);
     }
 
-    // The exact index hears of a restart from the events themselves (sequence numbers going
-    // back); the fallback history must be told.
+    // The exact index hears of a restart from the events themselves (sequence numbers going back,
+    // or another engine behind the replay socket on reconnecting); the fallback history is told
+    // by the subscriber then, and by the scrape.
     fn forget(&self, backend: BackendId) {
         self.approx.forget(backend);
     }

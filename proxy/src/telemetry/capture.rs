@@ -505,8 +505,8 @@ mod tests {
 
     #[test]
     fn records_are_written_rotated_and_read_back() {
-        let dir = std::env::temp_dir().join(format!("headroom-capture-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
+        let scratch = tempfile::tempdir().expect("a scratch directory");
+        let dir = scratch.path();
         let path = dir.join("sub/trace.jsonl");
         let cfg = CaptureConfig {
             path: Some(path.display().to_string()),
@@ -546,15 +546,12 @@ mod tests {
             all.iter()
                 .all(|r| r.hash_ids == all[0].hash_ids && r.hash_ids.len() == 2)
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn only_the_newest_rotated_files_are_kept() {
-        let dir =
-            std::env::temp_dir().join(format!("headroom-capture-keep-{}", std::process::id()));
-        let _ = std::fs::remove_dir_all(&dir);
-        std::fs::create_dir_all(&dir).unwrap();
+        let scratch = tempfile::tempdir().expect("a scratch directory");
+        let dir = scratch.path();
         let path = dir.join("trace.jsonl");
         // Rotated files of earlier days, another capture's file and an unrelated one.
         for name in [
@@ -581,13 +578,12 @@ mod tests {
                 "trace.notes.jsonl",
             ]
         );
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn long_prompts_are_hashed_whole_off_the_request_path() {
-        let dir =
-            std::env::temp_dir().join(format!("headroom-capture-long-{}", std::process::id()));
+        let scratch = tempfile::tempdir().expect("a scratch directory");
+        let dir = scratch.path();
         let path = dir.join("t.jsonl");
         let cfg = CaptureConfig {
             path: Some(path.display().to_string()),
@@ -637,13 +633,12 @@ mod tests {
             headroom_workload::trace::read_jsonl(std::io::BufReader::new(text.as_bytes())).unwrap();
         assert_eq!(recs[0].hash_ids[..2], recs[1].hash_ids[..2]);
         assert_ne!(recs[0].hash_ids[2], recs[1].hash_ids[2]);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]
     fn a_full_queue_drops_and_counts() {
-        let dir =
-            std::env::temp_dir().join(format!("headroom-capture-full-{}", std::process::id()));
+        let scratch = tempfile::tempdir().expect("a scratch directory");
+        let dir = scratch.path();
         let path = dir.join("t.jsonl");
         let cfg = CaptureConfig {
             path: Some(path.display().to_string()),
@@ -660,7 +655,6 @@ mod tests {
         let dropped = c.dropped.with_label_values(&["buffer_full"]).get();
         assert_eq!(written + dropped, 2000);
         assert!(dropped > 0);
-        let _ = std::fs::remove_dir_all(&dir);
     }
 
     #[test]

@@ -622,7 +622,7 @@ impl Metrics {
                 ),
                 restarts: fcounter(
                     "headroom_engine_restarts_total",
-                    "Engine restarts found by the scrape (its start time or a counter went back); each one empties the proxy's approximate prefix history of the replica.",
+                    "Engine restarts found by the scrape (its start time changed or a counter went back); each one empties the proxy's approximate prefix history of the replica.",
                 ),
             },
             backend_pool: FloatGaugeVec::new(
@@ -792,7 +792,8 @@ impl Metrics {
     }
 
     /// Records a scrape of `b`'s engine: counters advance by what the engine's counters advanced
-    /// (an engine restart, where they fall, counts from zero again), and `restarted` counts one.
+    /// (after a restart, where they fall or the start time changed, by the new engine's whole
+    /// count), and `restarted` counts one.
     pub fn engine_scraped(&self, b: &Backend, g: &EngineGauges, restarted: bool) {
         let name = b.name.as_str();
         let bg = &self.backend;
@@ -812,8 +813,9 @@ impl Metrics {
         let prev = &mut BackendTotals::of(&mut last, b).engine;
         let advance = |v: &FloatCounterVec, now: Option<f64>, before: Option<f64>| -> f64 {
             let Some(now) = now else { return 0.0 };
+            // A new engine counts from zero, even one that passed the old count between scrapes.
             let d = match before {
-                Some(b) if now >= b => now - b,
+                Some(b) if now >= b && !restarted => now - b,
                 _ => now,
             };
             v.with_label_values(&[name]).inc_by(d);
@@ -1105,5 +1107,44 @@ impl Metrics {
         // Encoding into a Vec cannot fail.
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut out);
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use headroom_config::serve::{BackendConfig, HealthConfig};
+
+    use super::*;
+    use crate::upstreams::Fleet;
+
+    #[test]
+    fn after_a_restart_engine_counters_advance_by_the_new_engines_whole_count() {
+        let m = Metrics::new();
+        let fleet = Fleet::new(
+            &[BackendConfig::at("http://127.0.0.1:9")],
+            HealthConfig::default(),
+        )
+        .unwrap();
+        let b = &fleet.backends[0];
+        let scrape = |queries: f64, start: f64| EngineGauges {
+            prefix_queries_total: Some(queries),
+            process_start_time: Some(start),
+            ..EngineGauges::default()
+        };
+        let queries = || m.backend.prefix_queries.with_label_values(&[&b.name]).get();
+        let restarts = || m.backend.restarts.with_label_values(&[&b.name]).get();
+        m.engine_scraped(b, &scrape(1000.0, 1.0), false);
+        m.engine_scraped(b, &scrape(1500.0, 1.0), false);
+        assert_eq!((queries(), restarts()), (1500.0, 0.0));
+        // A new engine that looked up 2,000 tokens before the next scrape: every one is new,
+        // though the count is above the old engine's.
+        let after = scrape(2000.0, 100.0);
+        let restarted = after.restarted_since(&scrape(1500.0, 1.0));
+        assert!(restarted);
+        m.engine_scraped(b, &after, restarted);
+        assert_eq!((queries(), restarts()), (3500.0, 1.0));
+        // A counter that fell is a new engine's whole count too.
+        m.engine_scraped(b, &scrape(300.0, 100.0), true);
+        assert_eq!((queries(), restarts()), (3800.0, 2.0));
     }
 }

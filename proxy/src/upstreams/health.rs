@@ -3,6 +3,7 @@
 //! (and its KV capacity, which sizes the prefix index).
 
 use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use headroom_config::serve::{HealthConfig, ScrapeConfig};
@@ -99,13 +100,14 @@ pub async fn scrape_loop(
     cfg: ScrapeConfig,
     client: reqwest::Client,
     on_scrape: OnScrape,
+    held: Arc<AtomicBool>,
     stop: watch::Receiver<bool>,
 ) {
     if cfg.interval_ms == 0 {
         return;
     }
     let timeout = Duration::from_millis(cfg.timeout_ms);
-    let (client, on_scrape) = (&client, &on_scrape);
+    let (client, on_scrape, held) = (&client, &on_scrape, &held);
     every_round(
         &fleet,
         Duration::from_millis(cfg.interval_ms),
@@ -119,29 +121,36 @@ pub async fn scrape_loop(
             };
             let own_in_flight = b.load().in_flight;
             let gauges = EngineGauges::parse(&text);
-            let (restarted, last_restart) = {
-                let before = b.engine.lock().unwrap_or_else(|e| e.into_inner());
-                (gauges.restarted_since(&before.gauges), before.last_restart)
-            };
             let now = Instant::now();
+            // Compared and stored under one lock, and not at all while a newer config copies
+            // this state (`held`), so each restart is found once.
+            let (restarted, last_restart) = {
+                let mut scraped = b.engine.lock().unwrap_or_else(|e| e.into_inner());
+                if held.load(Ordering::SeqCst) {
+                    return;
+                }
+                let restarted = gauges.restarted_since(&scraped.gauges);
+                let last_restart = scraped.last_restart;
+                *scraped = Scraped {
+                    gauges: gauges.clone(),
+                    at: Some(now),
+                    own_in_flight,
+                    last_restart: if restarted { Some(now) } else { last_restart },
+                };
+                (restarted, last_restart)
+            };
             if restarted {
                 if last_restart.is_some_and(|t| now.duration_since(t) < RESTART_LOG_QUIET) {
                     tracing::debug!(backend = %b.name, "engine restarted again within a minute");
                 } else {
                     tracing::info!(
                         backend = %b.name,
-                        "engine restarted (its start time or counters went back): its prefix \
-                         cache is empty and the proxy's history of it is forgotten"
+                        "engine restarted (its start time changed or its counters went back): \
+                         its prefix cache is empty, and prefix routing forgets what it sent it"
                     );
                 }
             }
             on_scrape(&b, &gauges, restarted);
-            *b.engine.lock().unwrap_or_else(|e| e.into_inner()) = Scraped {
-                gauges,
-                at: Some(now),
-                own_in_flight,
-                last_restart: if restarted { Some(now) } else { last_restart },
-            };
         },
     )
     .await;

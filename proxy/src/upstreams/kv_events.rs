@@ -22,8 +22,8 @@ use headroom_workload::kv_events::decode_batch;
 use tokio::sync::watch;
 use zeromq::{Socket, SocketEvent, SocketRecv, SocketSend, ZmqMessage};
 
-use crate::routing::BackendId;
 use crate::routing::kv_index::{Applied, KvIndex, SeqCheck};
+use crate::routing::{BackendId, RoutingPolicy};
 use crate::telemetry::Metrics;
 
 /// Where one replica publishes.
@@ -41,6 +41,9 @@ pub struct EventSource {
     pub topic: String,
     /// How long a replay may take.
     pub replay_timeout: Duration,
+    /// The routing policy, told when the events reveal a restart so that its approximate history
+    /// (the fallback while a stream is partial, stale or missing) forgets the replica too.
+    pub policy: Arc<dyn RoutingPolicy>,
 }
 
 /// Why a replay did not return what was asked.
@@ -185,6 +188,7 @@ async fn rejoin(src: &EventSource, index: &Index, m: &StreamMetrics) -> Option<(
             tracing::info!(backend = %src.name, "engine restarted while disconnected: its cached blocks are forgotten");
             m.restarts.inc();
             lock(index).restarted(src.id);
+            src.policy.forget(src.id);
             catch_up(src, index, m, 0, None).await
         }
     }
@@ -259,6 +263,7 @@ async fn on_message(
             m.restarts.inc();
             tracing::info!(backend = %src.name, seq, "engine restarted: its cached blocks are forgotten");
             lock(index).restarted(src.id);
+            src.policy.forget(src.id);
             if seq > 0 {
                 m.gaps.inc();
                 catch_up(src, index, m, 0, Some(seq)).await;

@@ -85,14 +85,6 @@ pub async fn stats(h: &ServeHandle) -> serde_json::Value {
 /// The model the simulator serves.
 pub const MODEL: &str = "meta-llama/Llama-3.1-8B-Instruct";
 
-/// A fresh scratch directory, removed when the guard drops (a failing test included).
-pub fn temp_dir(name: &str) -> tempfile::TempDir {
-    tempfile::Builder::new()
-        .prefix(&format!("headroom-{name}-"))
-        .tempdir()
-        .expect("a scratch directory")
-}
-
 /// The proxy in front of `urls` (prefix affinity), capturing to `capture` when given.
 pub async fn proxy(urls: &[String], capture: Option<&std::path::Path>) -> ServeHandle {
     let mut cfg = ServeConfig::quick("127.0.0.1:0", urls, "prefix_affinity");
