@@ -620,15 +620,12 @@ async fn prefix_affinity_forgets_a_replica_whose_engine_restarted() {
     assert_eq!(backend_metric(&h, BLOCKS, &name(&other)).await, 0.0);
     // Let a scrape see the engine's counters before the restart.
     let scraped_before = Instant::now();
-    // (Absent reads as NaN, which is not above zero either.)
-    while !(backend_metric(
-        &h,
-        "headroom_engine_prefix_cache_queries_tokens_total",
-        &holder,
-    )
-    .await
-        > 0.0)
-    {
+    let queries = "headroom_engine_prefix_cache_queries_tokens_total";
+    loop {
+        // Absent reads as NaN, which is not above zero either.
+        if backend_metric(&h, queries, &holder).await > 0.0 {
+            break;
+        }
         assert!(
             scraped_before.elapsed() < Duration::from_secs(5),
             "no scrape"

@@ -564,7 +564,7 @@ mod tests {
             std::fs::write(dir.join(name), "").unwrap();
         }
         prune_rotated(&path, 2);
-        let mut left: Vec<String> = std::fs::read_dir(&dir)
+        let mut left: Vec<String> = std::fs::read_dir(dir)
             .unwrap()
             .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
             .collect();
