@@ -88,7 +88,8 @@ impl EngineGauges {
     /// A counter only goes back when the process that keeps it starts again (a pod replaced
     /// behind the same address, a crash and restart). The start time catches a restart that
     /// served more than its predecessor before the next scrape; the counters catch it where the
-    /// start time is not exported. Series absent from either scrape say nothing.
+    /// start time is not exported. Series absent from either scrape say nothing (the scrape loop
+    /// keeps the last value seen as the baseline, [`Self::keep_totals_of`]).
     pub fn restarted_since(&self, before: &EngineGauges) -> bool {
         if let (Some(now), Some(then)) = (self.process_start_time, before.process_start_time) {
             if (now - then).abs() > 1.0 {
@@ -103,6 +104,27 @@ impl EngineGauges {
         ]
         .into_iter()
         .any(|pair| matches!(pair, (Some(now), Some(then)) if now < then))
+    }
+
+    /// Takes the totals this scrape lacks (counters, start time) from `before`, so that one
+    /// incomplete exposition does not erase what the next scrape's [`Self::restarted_since`] is
+    /// judged against.
+    pub fn keep_totals_of(&mut self, before: &EngineGauges) {
+        for (now, then) in [
+            (&mut self.prompt_tokens_total, before.prompt_tokens_total),
+            (
+                &mut self.generation_tokens_total,
+                before.generation_tokens_total,
+            ),
+            (&mut self.prefix_queries_total, before.prefix_queries_total),
+            (&mut self.prefix_hits_total, before.prefix_hits_total),
+            (&mut self.preemptions_total, before.preemptions_total),
+            (&mut self.process_start_time, before.process_start_time),
+        ] {
+            if now.is_none() {
+                *now = then;
+            }
+        }
     }
 
     /// KV capacity in tokens (one block is the engine's null block and never holds data).
@@ -197,6 +219,12 @@ vllm:num_requests_running_total_bogus 9
             "vllm:prompt_tokens_total 0\nvllm:generation_tokens_total 900\n"
         ));
         assert!(!EngineGauges::default().restarted_since(&before));
+        // A scrape without the totals keeps the baseline: a restart behind it is still found.
+        let mut partial = EngineGauges::parse("vllm:num_requests_running 1\n");
+        partial.keep_totals_of(&before);
+        assert_eq!(partial.running, Some(1.0));
+        assert_eq!(partial.prompt_tokens_total, Some(5000.0));
+        assert!(EngineGauges::parse("vllm:prompt_tokens_total 10\n").restarted_since(&partial));
     }
 
     #[test]

@@ -131,8 +131,12 @@ pub async fn scrape_loop(
                 }
                 let restarted = gauges.restarted_since(&scraped.gauges);
                 let last_restart = scraped.last_restart;
+                let mut kept = gauges.clone();
+                if !restarted {
+                    kept.keep_totals_of(&scraped.gauges);
+                }
                 *scraped = Scraped {
-                    gauges: gauges.clone(),
+                    gauges: kept,
                     at: Some(now),
                     own_in_flight,
                     last_restart: if restarted { Some(now) } else { last_restart },
