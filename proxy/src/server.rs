@@ -134,10 +134,17 @@ impl ServeHandle {
             lifecycle: self.lifecycle.clone(),
             proxy_id: self.proxy_id,
         };
-        let held = &self.generation.scrapes_held;
-        held.store(true, std::sync::atomic::Ordering::SeqCst);
+        let hold = |on: bool| {
+            *self
+                .generation
+                .scrapes_held
+                .write()
+                .unwrap_or_else(|e| e.into_inner()) = on;
+        };
+        // Waits for a scrape being acted on to finish; later ones are dropped.
+        hold(true);
         let next = Generation::start(Arc::new(cfg), &shared, Some(&self.generation))
-            .inspect_err(|_| held.store(false, std::sync::atomic::Ordering::SeqCst))?;
+            .inspect_err(|_| hold(false))?;
         if let (Some(old), Some(new)) = (&self.generation.live.admission, &next.live.admission) {
             let pairs = next.live.fleet.same_replicas(&self.generation.live.fleet);
             let learned = cap_settings(&self.generation.cfg) == cap_settings(&next.cfg);
@@ -230,8 +237,9 @@ struct Generation {
     retired: Arc<std::sync::atomic::AtomicBool>,
     /// Set while a newer config is being built from this one's state: this config's scrapes are
     /// then dropped unread, so a restart the scrape finds is counted and acted on once, by the
-    /// config that carries the state on (cleared again when the new config fails to start).
-    scrapes_held: Arc<std::sync::atomic::AtomicBool>,
+    /// config that carries the state on (cleared again when the new config fails to start). A
+    /// scrape holds it to read while it acts, so setting it waits for that scrape to finish.
+    scrapes_held: Arc<std::sync::RwLock<bool>>,
     stop: watch::Sender<bool>,
     tasks: Vec<JoinHandle<()>>,
 }
@@ -667,7 +675,7 @@ impl Generation {
         ));
 
         let (stop, stop_rx) = watch::channel(false);
-        let scrapes_held = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let scrapes_held = Arc::new(std::sync::RwLock::new(false));
         let mut tasks = Vec::new();
         if let Some(index) = &kv_index {
             for (id, b) in cfg.backends.iter().enumerate() {

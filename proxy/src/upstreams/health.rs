@@ -3,7 +3,7 @@
 //! (and its KV capacity, which sizes the prefix index).
 
 use std::sync::Arc;
-use std::sync::atomic::{AtomicBool, Ordering};
+use std::sync::RwLock;
 use std::time::{Duration, Instant};
 
 use headroom_config::serve::{HealthConfig, ScrapeConfig};
@@ -100,7 +100,7 @@ pub async fn scrape_loop(
     cfg: ScrapeConfig,
     client: reqwest::Client,
     on_scrape: OnScrape,
-    held: Arc<AtomicBool>,
+    held: Arc<RwLock<bool>>,
     stop: watch::Receiver<bool>,
 ) {
     if cfg.interval_ms == 0 {
@@ -122,13 +122,16 @@ pub async fn scrape_loop(
             let own_in_flight = b.load().in_flight;
             let gauges = EngineGauges::parse(&text);
             let now = Instant::now();
-            // Compared and stored under one lock, and not at all while a newer config copies
-            // this state (`held`), so each restart is found once.
-            let (restarted, last_restart) = {
+            // From the check to the end of `on_scrape`, a reload waits to copy this state (it
+            // takes `held` to write), and once it has begun this scrape is dropped unread: each
+            // restart is found, counted and forgotten by exactly one config, the one whose state
+            // carries on. Nothing here awaits.
+            let held = held.read().unwrap_or_else(|e| e.into_inner());
+            if *held {
+                return;
+            }
+            let (restarted, last_restart, kept) = {
                 let mut scraped = b.engine.lock().unwrap_or_else(|e| e.into_inner());
-                if held.load(Ordering::SeqCst) {
-                    return;
-                }
                 let restarted = gauges.restarted_since(&scraped.gauges);
                 let last_restart = scraped.last_restart;
                 let mut kept = gauges.clone();
@@ -136,12 +139,12 @@ pub async fn scrape_loop(
                     kept.keep_totals_of(&scraped.gauges);
                 }
                 *scraped = Scraped {
-                    gauges: kept,
+                    gauges: kept.clone(),
                     at: Some(now),
                     own_in_flight,
                     last_restart: if restarted { Some(now) } else { last_restart },
                 };
-                (restarted, last_restart)
+                (restarted, last_restart, kept)
             };
             if restarted {
                 if last_restart.is_some_and(|t| now.duration_since(t) < RESTART_LOG_QUIET) {
@@ -154,7 +157,10 @@ pub async fn scrape_loop(
                     );
                 }
             }
-            on_scrape(&b, &gauges, restarted);
+            // The totals as kept, so that counters re-exported from them do not jump by an
+            // engine's whole count after a scrape that lacked one.
+            on_scrape(&b, &kept, restarted);
+            drop(held);
         },
     )
     .await;
