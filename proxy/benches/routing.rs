@@ -84,6 +84,36 @@ fn bench(c: &mut Criterion) {
     c.bench_function("consistent_hash_select_8_replicas", |b| {
         b.iter(|| consistent.select(std::hint::black_box(&req), &fleet))
     });
+    // What `consistent_hash` learns once per request, under its lock: how the prompt's first
+    // blocks (up to BRANCH_DEPTH) continue. Prompts of 256 blocks share their first 64 (a system
+    // prompt) and then go their own way, so every one adds continuations.
+    let prompts: Vec<Vec<u64>> = (1..=4096u64)
+        .map(|n| {
+            prompt[..64]
+                .iter()
+                .copied()
+                .chain((0..192u64).map(|i| (n << 20) | i))
+                .collect()
+        })
+        .collect();
+    let mut next = prompts.iter().cycle();
+    let pick = headroom_proxy::routing::Pick {
+        backend: 0,
+        matched_tokens: 0,
+    };
+    c.bench_function("consistent_hash_record_256_blocks", |b| {
+        b.iter(|| {
+            let blocks = next.next().expect("a cycle never ends");
+            let r = RouteRequest {
+                blocks,
+                block_tokens: 16,
+                prompt_tokens: 4096,
+                session: None,
+                not_engine_chain: false,
+            };
+            consistent.record(std::hint::black_box(&r), &pick)
+        })
+    });
 }
 
 fn chat_body(words: usize) -> Vec<u8> {
