@@ -28,8 +28,8 @@ use crate::admission::cap::{CapParams, Change, Feedback};
 use crate::app::Headroom;
 use crate::lifecycle::Lifecycle;
 use crate::routing::{
-    ConsistentHash, KvEvents, KvIndex, LeastLoad, PrefixAffinity, PrefixIndex, RoundRobin,
-    RoutingPolicy, Session,
+    BackendId, ConsistentHash, KvEvents, KvIndex, LeastLoad, PrefixAffinity, PrefixIndex,
+    RoundRobin, RoutingPolicy, Session,
 };
 use crate::telemetry::Metrics;
 use crate::telemetry::capture::Capture;
@@ -282,12 +282,12 @@ pub fn build_policy(cfg: &ServeConfig) -> (Arc<dyn RoutingPolicy>, Option<Arc<Mu
     }
 }
 
-/// Copies the approximate prefix index's history of every replica `previous` and `fleet` share
-/// into `policy`'s, when both policies keep one and hash requests the same way (otherwise the
-/// old hashes would match nothing).
+/// Copies the approximate prefix index's history of every replica `previous` and the new config
+/// share (`pairs`: old id, new id) into `policy`'s, when both policies keep one and hash requests
+/// the same way (otherwise the old hashes would match nothing).
 fn carry_history(
     previous: &Generation,
-    fleet: &Fleet,
+    pairs: &[(BackendId, BackendId)],
     cfg: &ServeConfig,
     policy: &dyn RoutingPolicy,
 ) {
@@ -298,19 +298,24 @@ fn carry_history(
         tracing::info!("request hashing changed: the prefix index starts empty");
         return;
     }
-    let pairs = fleet.same_replicas(&previous.live.fleet);
     old.with_index(|o| {
         new.with_index(|n| {
-            for &(from, to) in &pairs {
+            for &(from, to) in pairs {
                 o.copy_replica(from, n, to);
             }
         });
     });
 }
 
-/// Copies the exact (KV event) picture of every replica `previous` and `fleet` share whose event
-/// stream is the same in both configs into `new`, before its subscribers start.
-fn carry_events(previous: &Generation, fleet: &Fleet, cfg: &ServeConfig, new: &Mutex<KvIndex>) {
+/// Copies the exact (KV event) picture of every replica `previous` and the new config share
+/// (`pairs`) whose event stream is the same in both configs into `new`, before its subscribers
+/// start.
+fn carry_events(
+    previous: &Generation,
+    pairs: &[(BackendId, BackendId)],
+    cfg: &ServeConfig,
+    new: &Mutex<KvIndex>,
+) {
     let Some(old) = &previous.live.kv_index else {
         return;
     };
@@ -324,9 +329,9 @@ fn carry_events(previous: &Generation, fleet: &Fleet, cfg: &ServeConfig, new: &M
             c.kv_events.topic.clone(),
         ))
     };
-    let pairs: Vec<(usize, usize)> = fleet
-        .same_replicas(&previous.live.fleet)
-        .into_iter()
+    let pairs: Vec<(usize, usize)> = pairs
+        .iter()
+        .copied()
         .filter(|&(from, to)| {
             let s = stream(&previous.cfg, from);
             s.is_some() && s == stream(cfg, to)
@@ -548,8 +553,10 @@ impl Generation {
     ) -> Result<Self, ServeError> {
         let mut fleet =
             Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
+        // The replicas both configs name (old id, new id): everything carried over follows them.
+        let pairs = previous.map_or_else(Vec::new, |p| fleet.same_replicas(&p.live.fleet));
         if let Some(p) = previous {
-            fleet.carry_from(&p.live.fleet);
+            fleet.carry_from(&p.live.fleet, &pairs);
         }
         fleet.count_foreign = cfg.routing.foreign_load;
         let peers = (!cfg.peers.addresses.is_empty()).then(|| {
@@ -571,19 +578,19 @@ impl Generation {
         });
         if let (Some(p), Some(new)) = (previous, &peers) {
             if let Some(old) = &p.live.fleet.peers {
-                new.carry_from(old, &fleet.same_replicas(&p.live.fleet));
+                new.carry_from(old, &pairs);
             }
         }
         fleet.peers = peers.clone();
         let fleet = Arc::new(fleet);
         let (policy, kv_index) = build_policy(&cfg);
         if let (Some(p), Some(new)) = (previous, &kv_index) {
-            carry_events(p, &fleet, &cfg, new);
+            carry_events(p, &pairs, &cfg, new);
         }
         // Before any loop of this config starts: a restart the first scrape or event finds must
         // forget what was carried, not be overwritten by it.
         if let Some(p) = previous {
-            carry_history(p, &fleet, &cfg, policy.as_ref());
+            carry_history(p, &pairs, &cfg, policy.as_ref());
         }
         let index_policy = policy.clone();
         let metrics = &shared.metrics;

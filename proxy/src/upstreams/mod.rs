@@ -378,7 +378,8 @@ impl Fleet {
         pairs
     }
 
-    /// Takes over what this proxy knows of every replica `old` also has (the same URL), so that a
+    /// Takes over what this proxy knows of every replica `old` also has (`pairs`, from
+    /// [`Self::same_replicas`]: old id, id here), so that a
     /// reload changes the config, not the picture: the count of its work on the replica (shared
     /// from now on, so requests still in flight under `old` keep counting in the routing cost,
     /// the reports to peers and mean in-flight until they end, and their progress still reaches
@@ -389,9 +390,8 @@ impl Fleet {
     ///
     /// # Panics
     /// If the fleet's replicas are already shared.
-    pub fn carry_from(&mut self, old: &Fleet) {
+    pub fn carry_from(&mut self, old: &Fleet, pairs: &[(BackendId, BackendId)]) {
         self.work_changed = old.work_changed.clone();
-        let pairs = self.same_replicas(old);
         let now_ms = self.now_ms();
         for b in &mut self.backends {
             let b = Arc::get_mut(b).expect("a fleet being built is not shared yet");
@@ -569,8 +569,9 @@ mod tests {
             .map(|p| BackendConfig::at(&format!("http://127.0.0.1:{p}")))
             .collect();
         let mut new = Fleet::new(&cfgs, health).unwrap();
-        new.carry_from(&old);
-        assert_eq!(new.same_replicas(&old), vec![(0, 1), (2, 0)]);
+        let pairs = new.same_replicas(&old);
+        assert_eq!(pairs, vec![(0, 1), (2, 0)]);
+        new.carry_from(&old, &pairs);
         assert!(!new.backends[1].probe_healthy(), "still down");
         assert!(new.backends[0].probe_healthy() && new.backends[2].probe_healthy());
         assert!((0..3).all(|i| !new.is_ejected(&new.backends[i])));
@@ -588,7 +589,8 @@ mod tests {
         // replica down).
         let cfgs = [9001, 9000].map(|p| BackendConfig::at(&format!("http://127.0.0.1:{p}")));
         let mut again = Fleet::new(&cfgs, HealthConfig::default()).unwrap();
-        again.carry_from(&old);
+        let pairs = again.same_replicas(&old);
+        again.carry_from(&old, &pairs);
         assert!(again.is_ejected(&again.backends[0]));
         assert_eq!(again.backends[0].ejections.load(Ordering::Relaxed), 1);
         assert!(
