@@ -253,12 +253,21 @@ impl Headroom {
     async fn handle(&self, session: &mut Session, ctx: &mut RequestCtx) -> Result<(), ProxyError> {
         let path = session.req_header().uri.path().to_owned();
         let method = session.req_header().method.clone();
-        let (route, name) = route_of(&path);
+        let (mut route, mut name) = route_of(&path);
+        if method == Method::OPTIONS && !matches!(route, Route::Unknown) {
+            // A browser's CORS preflight carries no credentials and starts no work: the engine
+            // answers it as it would directly (vLLM allows every origin unless told otherwise).
+            (route, name) = (Route::PassThrough, "preflight");
+        }
         ctx.route = name;
         check_headers(session, &self.cfg.limits)?;
         // Cheap refusals first: the key and its rate (a key probing unknown paths spends its
         // rate too), the allow-list; then the body.
-        if let Some(keys) = self.keys.as_deref().filter(|_| name != "health") {
+        if let Some(keys) = self
+            .keys
+            .as_deref()
+            .filter(|_| !matches!(name, "health" | "preflight"))
+        {
             let auth = session.req_header().headers.get(header::AUTHORIZATION);
             let i = keys.authenticate(auth.map(|v| v.as_bytes()))?;
             ctx.key = Some(i);
@@ -281,14 +290,14 @@ impl Headroom {
             )),
             Route::Generate(endpoint) => {
                 if method != Method::POST {
-                    return Err(not_allowed(&method, &path));
+                    return Err(ProxyError::method_not_allowed(&method, &path, "POST"));
                 }
                 let body = self.read_body(session).await?;
                 self.generate(session, ctx, endpoint, &path, body).await
             }
             Route::Models => {
                 if method != Method::GET {
-                    return Err(not_allowed(&method, &path));
+                    return Err(ProxyError::method_not_allowed(&method, &path, "GET"));
                 }
                 self.models(session, ctx).await
             }
@@ -451,6 +460,16 @@ impl Headroom {
 
     /// Reads the whole request body, refusing one over `limits.max_body_bytes`.
     async fn read_body(&self, session: &mut Session) -> Result<Bytes, ProxyError> {
+        let read = self.read_body_within_limits(session).await;
+        if read.is_err() {
+            // Whatever is left of the body (unread, over the limit, or framed wrongly) would be
+            // read as the next request on this connection: it is closed after the error instead.
+            session.set_keepalive(None);
+        }
+        read
+    }
+
+    async fn read_body_within_limits(&self, session: &mut Session) -> Result<Bytes, ProxyError> {
         let max = self.cfg.limits.max_body_bytes;
         let too_large = || {
             ProxyError::new(
@@ -471,7 +490,9 @@ impl Headroom {
             .req_header()
             .headers
             .get(header::EXPECT)
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"));
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"100-continue"))
+            // An HTTP/1.0 client cannot take an interim response (RFC 9110 §10.1.1).
+            && session.req_header().version != http::Version::HTTP_10;
         if expects_continue {
             let _ = session.as_downstream_mut().write_continue_response().await;
         }
@@ -481,8 +502,6 @@ impl Headroom {
         loop {
             let Ok(read) = tokio::time::timeout_at(deadline, session.read_request_body()).await
             else {
-                // Part of the body is still on the wire: the connection cannot be reused.
-                session.set_keepalive(None);
                 return Err(ProxyError::new(
                     ErrorKind::BodyTimeout,
                     format!(
@@ -501,7 +520,7 @@ impl Headroom {
                 Err(e) => {
                     return Err(ProxyError::new(
                         ErrorKind::ClientBody,
-                        format!("reading the request body: {e}"),
+                        format!("reading the request body: {}", e.to_string().trim()),
                     ));
                 }
             }
@@ -588,13 +607,6 @@ fn check_headers(
     ))
 }
 
-fn not_allowed(method: &Method, path: &str) -> ProxyError {
-    ProxyError::new(
-        ErrorKind::MethodNotAllowed,
-        format!("{method} is not allowed on {path}"),
-    )
-}
-
 /// Writes a complete response; a client that has gone away is not an error worth reporting.
 async fn respond(
     session: &mut Session,
@@ -612,6 +624,9 @@ async fn respond(
         let _ = resp.insert_header("x-headroom-error", e.reason());
         if e.status() == 401 {
             let _ = resp.insert_header(header::WWW_AUTHENTICATE, "Bearer");
+        }
+        if let Some(allow) = e.allow {
+            let _ = resp.insert_header(header::ALLOW, allow);
         }
         if let Some(s) = e.retry_after() {
             let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
@@ -745,7 +760,8 @@ impl ProxyHttp for Headroom {
             let key = self.client_key(ctx.key).map(|k| k.name.as_str());
             tracing::info!(
                 target: "headroom::access",
-                request_id = %ctx.request_id,
+                // A string value is quoted and escaped: a client-chosen id cannot forge other fields.
+                request_id = ctx.request_id.as_str(),
                 route = ctx.route,
                 status = ctx.status,
                 backend = ctx.backend.as_deref().unwrap_or("none"),

@@ -51,6 +51,8 @@ pub struct ProxyError {
     pub detail: String,
     /// Seconds to wait before trying again, where the proxy estimated it.
     pub retry_after_s: Option<u32>,
+    /// The methods the path takes, for the `Allow` header of a 405.
+    pub allow: Option<&'static str>,
 }
 
 impl ProxyError {
@@ -62,7 +64,18 @@ impl ProxyError {
             retryable,
             detail: detail.into(),
             retry_after_s: None,
+            allow: None,
         }
+    }
+
+    /// A 405 for `method` on `path`, which takes `allow` only.
+    pub fn method_not_allowed(method: &http::Method, path: &str, allow: &'static str) -> Self {
+        let mut e = Self::new(
+            ErrorKind::MethodNotAllowed,
+            format!("{method} is not allowed on {path} (it takes {allow})"),
+        );
+        e.allow = Some(allow);
+        e
     }
 
     /// The same error with an estimated `Retry-After`.

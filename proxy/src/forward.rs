@@ -21,9 +21,12 @@ use crate::error::{ErrorKind, ProxyError};
 use crate::routing::{BackendView, RouteRequest, RoutingPolicy};
 use crate::upstreams::{Backend, InFlight};
 
-/// Request headers that belong to one connection, never forwarded (RFC 9110 §7.6.1), plus the
-/// ones the proxy sets itself.
+/// Request headers never forwarded: the ones that belong to one connection (RFC 9110 §7.6.1),
+/// the ones the proxy sets itself, and `accept-encoding`, since the proxy reads every response it
+/// relays (a compressed stream could be neither measured nor cut, and would be held whole for
+/// want of event boundaries).
 const HOP_BY_HOP: &[&str] = &[
+    "accept-encoding",
     "connection",
     "keep-alive",
     "proxy-connection",
@@ -122,6 +125,19 @@ pub struct HeaderRules {
     pub proto: &'static str,
 }
 
+/// The header names a `Connection` header lists (lowercase): they describe the client's
+/// connection only and go no further than the proxy (RFC 9110 §7.6.1).
+fn connection_listed(headers: &http::HeaderMap) -> Vec<String> {
+    headers
+        .get_all(header::CONNECTION)
+        .iter()
+        .filter_map(|v| v.to_str().ok())
+        .flat_map(|v| v.split(','))
+        .map(|t| t.trim().to_ascii_lowercase())
+        .filter(|t| !t.is_empty())
+        .collect()
+}
+
 /// Client-supplied headers that claim where the request came from.
 fn is_forwarding(name: &str) -> bool {
     name.starts_with("x-forwarded-") || name == "forwarded" || name == "x-real-ip"
@@ -131,9 +147,10 @@ fn is_forwarding(name: &str) -> bool {
 /// describe the client's connection (the copy comes from the proxy).
 pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> http::HeaderMap {
     let mut out = http::HeaderMap::with_capacity(down.headers.len());
+    let listed = connection_listed(&down.headers);
     for (name, value) in &down.headers {
         let n = name.as_str();
-        if rules.forwards(name) && n != "x-request-id" && !is_forwarding(n) {
+        if rules.forwards(name, &listed) && n != "x-request-id" && !is_forwarding(n) {
             out.append(name.clone(), value.clone());
         }
     }
@@ -141,10 +158,12 @@ pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> htt
 }
 
 impl HeaderRules {
-    /// Whether a client request header is passed on to a replica.
-    fn forwards(&self, name: &http::HeaderName) -> bool {
+    /// Whether a client request header is passed on to a replica; `listed` are the names its
+    /// `Connection` header lists.
+    fn forwards(&self, name: &http::HeaderName, listed: &[String]) -> bool {
         let n = name.as_str();
         !(HOP_BY_HOP.contains(&n)
+            || listed.iter().any(|l| l == n)
             || n == self.class_header
             || (self.strip_authorization && name == header::AUTHORIZATION)
             || (!self.trust_forwarded && is_forwarding(n)))
@@ -167,8 +186,9 @@ fn upstream_header(
     let bad = |e: Box<pingora::Error>| ProxyError::new(ErrorKind::BadRequest, e.to_string());
     let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
         .map_err(bad)?;
+    let listed = connection_listed(&down.headers);
     for (name, value) in &down.headers {
-        if rules.forwards(name) {
+        if rules.forwards(name, &listed) {
             up.append_header(name.clone(), value.clone()).map_err(bad)?;
         }
     }
@@ -414,7 +434,16 @@ impl Headroom {
                 }
             };
             let status = started.resp.status.as_u16();
-            if RETRY_STATUSES.contains(&status) && may_retry(attempt) {
+            // With no other replica to try, the engine's own answer (its message, its
+            // Retry-After) is worth more to the client than the proxy's 502.
+            let untried = || {
+                let plan = self.pool_plan(&ctx.pool);
+                let look = self.look(out.model);
+                [&plan.members, &plan.borrowable]
+                    .iter()
+                    .any(|m| look.candidates(m, &tried).iter().any(|v| v.healthy))
+            };
+            if RETRY_STATUSES.contains(&status) && untried() && may_retry(attempt) {
                 self.fleet.request_failed(&backend);
                 self.metrics
                     .retries
@@ -496,20 +525,30 @@ impl Headroom {
                 .await
                 .map_err(|e| classify(&e, "sending body"))?;
             let first_byte = Duration::from_millis(t.first_byte_ms);
-            match tokio::time::timeout(first_byte, up.read_response_header()).await {
-                Err(_) => Err(ProxyError::new(
-                    ErrorKind::UpstreamTimeout,
-                    format!(
-                        "{} sent no response header within {first_byte:?}",
-                        backend.name
-                    ),
-                )),
-                Ok(Err(e)) => Err(classify(&e, "reading response header")),
-                Ok(Ok(())) => {
-                    let resp = up.response_header().cloned().ok_or_else(|| {
-                        ProxyError::new(ErrorKind::UpstreamReset, "no response header")
-                    })?;
-                    Ok((up, resp))
+            let deadline = tokio::time::Instant::now() + first_byte;
+            loop {
+                match tokio::time::timeout_at(deadline, up.read_response_header()).await {
+                    Err(_) => {
+                        return Err(ProxyError::new(
+                            ErrorKind::UpstreamTimeout,
+                            format!(
+                                "{} sent no response header within {first_byte:?}",
+                                backend.name
+                            ),
+                        ));
+                    }
+                    Ok(Err(e)) => return Err(classify(&e, "reading response header")),
+                    Ok(Ok(())) => {
+                        let resp = up.response_header().cloned().ok_or_else(|| {
+                            ProxyError::new(ErrorKind::UpstreamReset, "no response header")
+                        })?;
+                        // Interim answers (`100 Continue`, `103 Early Hints`) come before the
+                        // final one and are read past: the client asked for neither.
+                        if resp.status.is_informational() {
+                            continue;
+                        }
+                        return Ok((up, resp));
+                    }
                 }
             }
         };
@@ -540,12 +579,29 @@ impl Headroom {
             resp.remove_header(h);
         }
         let _ = resp.insert_header("x-headroom-backend", backend.name.as_str());
-        let is_sse = resp
+        // An encoded (compressed) body is passed through as it is, unread: the proxy asks for
+        // none (it drops the client's `Accept-Encoding`), so only an engine that compresses
+        // unasked sends one.
+        let encoded = resp
             .headers
-            .get(header::CONTENT_TYPE)
-            .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
+            .get(header::CONTENT_ENCODING)
+            .is_some_and(|v| !v.as_bytes().eq_ignore_ascii_case(b"identity"));
+        let is_sse = !encoded
+            && resp
+                .headers
+                .get(header::CONTENT_TYPE)
+                .and_then(|v| v.to_str().ok())
+                .is_some_and(|v| {
+                    v.get(..17)
+                        .is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream"))
+                });
         let has_length = resp.headers.contains_key(header::CONTENT_LENGTH);
+        if !has_length && session.req_header().version == http::Version::HTTP_10 {
+            // An HTTP/1.0 client knows no chunked coding: its body ends when the connection
+            // closes (RFC 9112 §6.1).
+            resp.remove_header(&header::TRANSFER_ENCODING);
+            session.set_keepalive(None);
+        }
         let end_now = up.response_done();
         if session
             .write_response_header(Box::new(resp), false)
@@ -557,7 +613,7 @@ impl Headroom {
         ctx.response_started = true;
         // A usage chunk the proxy asked for is cut out again; a response with a fixed length is
         // passed through whole (it cannot be shortened).
-        let strip = ctx.strip_usage && !has_length;
+        let strip = ctx.strip_usage && !has_length && !encoded;
         let mut meter = ResponseMeter::new(is_sse, strip);
         if ctx.mirror.as_ref().is_some_and(|m| m.wants_digest()) {
             meter = meter.with_digest();
@@ -645,6 +701,9 @@ impl Headroom {
                             // and hang up at once, which is a finished request, not a lost one.
                             return Ended::Complete;
                         }
+                    }
+                    Ok(None) if meter.broken_off() => {
+                        return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await;
                     }
                     Ok(None) => return Ended::Complete,
                     Err(_) => return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await,

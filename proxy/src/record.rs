@@ -95,10 +95,14 @@ fn gap_percentile(sorted: &[Duration], q: f64) -> Option<f64> {
     Some(ms(sorted[rank - 1]))
 }
 
-/// A response that was `relayed` to its end completed when its status was 2xx and its stream
-/// carried no error event.
+/// A response that was `relayed` to its end completed when its status was 2xx, its stream
+/// carried no error event, and the engine did not abort it.
 pub fn completed(relayed: bool, status: u16, timing: &ResponseTiming) -> bool {
-    relayed && (200..300).contains(&status) && !timing.error_event
+    relayed
+        && (200..300).contains(&status)
+        && !timing.error_event
+        // The engine gave the request up (vLLM's `abort`): not an answer, whatever came first.
+        && timing.finish_reason.as_deref() != Some("abort")
 }
 
 /// The objectives a timing missed, by name.
@@ -362,11 +366,17 @@ impl Headroom {
     /// Finishes a generation request's record: tells a mirror how the primary ended, then
     /// metrics, goodput, `/stats`, capture.
     pub(crate) fn finish_record(&self, ctx: &mut RequestCtx) {
-        let timing = ctx
+        let mut timing = ctx
             .meter
             .take()
             .map(|m| m.into_timing(ctx.start))
             .unwrap_or_default();
+        if !(200..300).contains(&ctx.status) && ctx.status != 499 {
+            // An error answer is no output: it takes no TTFT (a fast 429 or 500 would otherwise
+            // make the percentiles better the worse things get). A client that left (499) may
+            // have had its first tokens: those stay.
+            timing.without_output();
+        }
         let completed = completed(ctx.completed, ctx.status, &timing);
         if let Some(link) = ctx.mirror.take() {
             link.primary_ended(completed, &timing);

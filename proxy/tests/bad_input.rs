@@ -143,6 +143,18 @@ async fn bodies_are_bounded_framed_once_and_json() {
                       transfer-encoding: chunked\r\n\r\n\
                       zz\r\nhello\r\n0\r\n\r\n";
     assert_eq!(status(&exchange(&h, bad_chunk).await.0), 400);
+    // On a connection kept alive, what follows a body framed wrongly is never read as the next
+    // request: the connection is closed after the 400.
+    let desync = b"POST /v1/completions HTTP/1.1\r\nhost: a\r\ntransfer-encoding: chunked\r\n\r\n\
+                   5\r\nhelloXX0\r\n\r\nGET /v1/models HTTP/1.1\r\nhost: a\r\n\r\n";
+    let (r, closed) = exchange(&h, desync).await;
+    assert_eq!(status(&r), 400, "{r}");
+    assert!(closed, "the connection outlived a body framed wrongly: {r}");
+    assert_eq!(
+        r.matches("HTTP/1.1").count(),
+        1,
+        "bytes after the body were served: {r}"
+    );
 
     let bomb = format!(r#"{{"prompt": {}1{}}}"#, "[".repeat(1500), "]".repeat(1500));
     let (r, _) = exchange(&h, &request("", &bomb)).await;
@@ -253,4 +265,104 @@ async fn a_client_that_stops_reading_is_dropped_and_its_request_cancelled() {
         "{m}"
     );
     drop(tcp);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http10_client_gets_a_stream_it_can_read() {
+    let replica = common::sim(2, 1, &[]).await;
+    let h = proxy(&replica.url(), |_| {}).await;
+    let body = r#"{"model":"meta-llama/Llama-3.1-8B-Instruct","prompt":"hello","max_tokens":5,"stream":true,"ignore_eos":true}"#;
+    // HTTP/1.0 knows no chunked coding and no interim responses: the stream ends with the
+    // connection, and `Expect: 100-continue` gets no `100 Continue`.
+    let raw = format!(
+        "POST /v1/completions HTTP/1.0\r\nhost: a\r\nexpect: 100-continue\r\n\
+         content-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    let (r, closed) = exchange(&h, raw.as_bytes()).await;
+    assert_eq!(status(&r), 200, "{r}");
+    assert!(
+        closed,
+        "a close-delimited body must end with the connection"
+    );
+    assert!(!r.contains("100 Continue"), "{r}");
+    let (head, stream) = r.split_once("\r\n\r\n").unwrap();
+    assert!(
+        !head.to_ascii_lowercase().contains("transfer-encoding"),
+        "{head}"
+    );
+    // The body is the events themselves, with no chunk-size lines between them.
+    assert!(stream.starts_with("data: "), "{stream:?}");
+    assert!(stream.ends_with("data: [DONE]\n\n"), "{stream:?}");
+    assert!(
+        stream
+            .split("\n")
+            .all(|line| line.is_empty() || line.starts_with("data: ")),
+        "{stream:?}"
+    );
+    assert!(stream.matches("data: ").count() >= 6, "{stream:?}");
+}
+
+/// An engine that answers every generation request with an interim `103 Early Hints` (and a
+/// `100 Continue`) before its final answer, and every other request with an empty 200.
+async fn engine_with_interim_answers() -> String {
+    let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
+    let url = format!("http://{}", listener.local_addr().unwrap());
+    tokio::spawn(async move {
+        while let Ok((mut tcp, _)) = listener.accept().await {
+            tokio::spawn(async move {
+                let mut got = Vec::new();
+                let mut buf = vec![0u8; 65_536];
+                loop {
+                    // One whole request: its header, then the body its content-length gives.
+                    let Some(end) = got.windows(4).position(|w| w == b"\r\n\r\n") else {
+                        match tcp.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    };
+                    let head = String::from_utf8_lossy(&got[..end]).to_ascii_lowercase();
+                    let length: usize = head
+                        .lines()
+                        .find_map(|l| l.strip_prefix("content-length:"))
+                        .map_or(0, |v| v.trim().parse().unwrap());
+                    if got.len() < end + 4 + length {
+                        match tcp.read(&mut buf).await {
+                            Ok(0) | Err(_) => return,
+                            Ok(n) => got.extend_from_slice(&buf[..n]),
+                        }
+                        continue;
+                    }
+                    got.drain(..end + 4 + length);
+                    let answer = if head.starts_with("post") {
+                        let body = r#"{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":0,"text":" ok","finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+                        format!(
+                            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n\
+                             HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
+                            body.len()
+                        )
+                    } else {
+                        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_owned()
+                    };
+                    if tcp.write_all(answer.as_bytes()).await.is_err() {
+                        return;
+                    }
+                }
+            });
+        }
+    });
+    url
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn interim_answers_from_an_engine_are_read_past() {
+    let url = engine_with_interim_answers().await;
+    let h = proxy(&url, |_| {}).await;
+    for _ in 0..2 {
+        let (r, _) = exchange(&h, &request("", BODY)).await;
+        assert_eq!(status(&r), 200, "{r}");
+        assert_eq!(r.matches("HTTP/1.1").count(), 1, "{r}");
+        assert!(r.ends_with(r#""total_tokens":4}}"#), "{r}");
+    }
 }

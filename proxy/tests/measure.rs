@@ -226,3 +226,46 @@ async fn prompt_text_never_reaches_a_capture() {
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_error_answer_takes_no_ttft() {
+    let r = sim(1, 1, &[]).await;
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let path = scratch.path().join("t.jsonl");
+    let p = proxy(&[r.url()], Some(&path)).await;
+    let c = reqwest::Client::new();
+    for (id, fault) in [("ok", ""), ("busy", "error=429"), ("broken", "error=500")] {
+        let mut req = c
+            .post(format!("http://{}/v1/chat/completions", p.addr))
+            .header("x-request-id", id)
+            .json(
+                &json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                          "max_tokens": 3, "stream": true}),
+            );
+        if !fault.is_empty() {
+            req = req.header("x-headroom-fault", fault);
+        }
+        req.send().await.unwrap().bytes().await.unwrap();
+    }
+    assert!(p.flush_capture().await);
+    let records = common::read_capture(&path);
+    assert_eq!(records.len(), 3);
+    for rec in &records {
+        let id = rec.request_id.as_deref().unwrap();
+        match id {
+            "ok" => assert!(rec.ttft_ms.is_some(), "{rec:?}"),
+            _ => {
+                assert_ne!(rec.status, Some(200), "{rec:?}");
+                assert_eq!(rec.ttft_ms, None, "an error answer is no output: {rec:?}");
+            }
+        }
+    }
+    let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+    assert_eq!(
+        common::metric_sum(&m, "headroom_request_ttft_seconds_count"),
+        1.0,
+        "only the answer took a TTFT"
+    );
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}

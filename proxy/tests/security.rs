@@ -87,6 +87,26 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    // So does a browser's CORS preflight, which carries no key: the engine answers it. An
+    // unknown path is still refused first.
+    let preflight = |path: &str| {
+        reqwest::Client::new()
+            .request(reqwest::Method::OPTIONS, format!("http://{}{path}", h.addr))
+            .header("origin", "https://app.example")
+            .header("access-control-request-method", "POST")
+            .send()
+    };
+    let r = preflight("/v1/completions").await.unwrap();
+    assert_eq!(r.status(), 200);
+    assert_eq!(r.headers()["access-control-allow-origin"], "*");
+    assert_eq!(
+        preflight("/reset_prefix_cache").await.unwrap().status(),
+        401
+    );
+    assert!(
+        seen.requests() == 0,
+        "a preflight was counted as generation"
+    );
 
     // A good key: the engine never sees the client's key.
     let r = complete(&h, &[("authorization", "Bearer chat-secret-1")]).await;
@@ -152,9 +172,10 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         line(r#"headroom_slo_requests_total{class="batch",pool="default",result="good"}"#),
         "2"
     );
+    // The keyless request, the unknown path, and the preflight of the unknown path.
     assert_eq!(
         line(r#"headroom_proxy_errors_total{reason="missing_key"}"#),
-        "2"
+        "3"
     );
 }
 
@@ -170,6 +191,9 @@ async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
         ("x-headroom-class", "batch"),
         ("authorization", "Bearer client-token"),
         ("x-custom", "kept"),
+        // A header the client's `Connection` lists is for the proxy's hop only.
+        ("connection", "keep-alive, X-Hop-Only"),
+        ("x-hop-only", "this hop"),
     ];
     let h = proxy(&url, Vec::new(), false).await;
     assert_eq!(complete(&h, &forged).await.status(), 200);
@@ -181,6 +205,7 @@ async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
         "forwarded",
         "x-real-ip",
         "x-headroom-class",
+        "x-hop-only",
     ] {
         assert!(
             !got.contains_key(gone),

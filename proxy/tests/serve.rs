@@ -385,8 +385,17 @@ async fn unknown_routes_large_bodies_limits_and_models() {
     let resp = client()
         .get(format!("{base}/v1/chat/completions"))
         .send()
-        .await;
-    assert_eq!(resp.unwrap().status(), 405);
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+    assert_eq!(resp.headers()["allow"], "POST");
+    let resp = client()
+        .post(format!("{base}/v1/models"))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 405);
+    assert_eq!(resp.headers()["allow"], "GET");
 
     let models: Value = client()
         .get(format!("{base}/v1/models"))
@@ -452,6 +461,28 @@ async fn unknown_routes_large_bodies_limits_and_models() {
     p.shutdown().await;
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_last_replicas_503_reaches_the_client_as_the_engine_sent_it() {
+    let a = sim(&[]).await;
+    let p = proxy(&[a.url()], "round_robin", |c| c.health.eject_after = 100).await;
+    let resp = client()
+        .post(format!("http://{}/v1/chat/completions", p.addr))
+        .header("x-headroom-fault", "error=503")
+        .json(&chat("s", "q", 2, false))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    // The engine's answer, relayed (with no replica left to try), not the proxy's own 502.
+    assert!(resp.headers().contains_key("x-headroom-backend"));
+    assert!(!resp.headers().contains_key("x-headroom-error"));
+    let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+    assert_eq!(
+        common::metric_sum(&m, "headroom_upstream_retries_total"),
+        0.0
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

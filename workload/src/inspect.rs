@@ -179,6 +179,9 @@ pub fn inspect(
     body: &[u8],
     cfg: &InspectConfig,
 ) -> Result<Inspected, InspectError> {
+    // A UTF-8 byte order mark before the JSON (some .NET and Windows clients write one) is
+    // accepted, as Python's JSON parser in the engine accepts it; the body is forwarded as sent.
+    let body = body.strip_prefix(b"\xEF\xBB\xBF").unwrap_or(body);
     let (rendered, params, extra_prompt_tokens) = parse(endpoint, body)?;
     if let Chain::Vllm(vllm) = &cfg.chain {
         return inspect_engine(
@@ -452,11 +455,12 @@ pub fn ask_for_usage(body: &[u8], inspected: &Inspected) -> Option<Vec<u8>> {
     }
     match &inspected.stream_options {
         Some(o) if o.continuous_usage_stats => None,
-        Some(_) => {
-            let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
-            let opts = v.get_mut("stream_options")?.as_object_mut()?;
-            opts.insert("include_usage".into(), serde_json::Value::Bool(true));
-            serde_json::to_vec(&v).ok()
+        // `"stream_options": null` reads as absent but is a member all the same: inserting
+        // another would send the key twice (which a strict engine refuses, and a lenient one
+        // resolves to the client's null, leaving the usage chunk unasked for).
+        Some(_) => with_usage_option(body),
+        None if memchr::memmem::find(body, br#""stream_options""#).is_some() => {
+            with_usage_option(body)
         }
         None => {
             let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
@@ -480,6 +484,22 @@ pub fn ask_for_usage(body: &[u8], inspected: &Inspected) -> Option<Vec<u8>> {
             Some(out)
         }
     }
+}
+
+/// The body re-serialized with `stream_options.include_usage` set, whatever `stream_options` was
+/// (an object or `null`).
+fn with_usage_option(body: &[u8]) -> Option<Vec<u8>> {
+    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+    let opts = v
+        .as_object_mut()?
+        .entry("stream_options")
+        .or_insert(serde_json::Value::Null);
+    if opts.is_null() {
+        *opts = serde_json::Value::Object(serde_json::Map::new());
+    }
+    opts.as_object_mut()?
+        .insert("include_usage".into(), serde_json::Value::Bool(true));
+    serde_json::to_vec(&v).ok()
 }
 
 #[cfg(test)]
@@ -650,6 +670,19 @@ mod tests {
     }
 
     #[test]
+    fn a_byte_order_mark_before_the_json_is_read_past() {
+        let body = chat("m1", &[("user", &"hello there ".repeat(100))]);
+        let mut marked = b"\xEF\xBB\xBF".to_vec();
+        marked.extend_from_slice(&body);
+        let plain = inspect(Endpoint::Chat, &body, &cfg()).unwrap();
+        let got = inspect(Endpoint::Chat, &marked, &cfg()).unwrap();
+        assert_eq!(got.prompt_tokens, plain.prompt_tokens);
+        assert!(!plain.blocks.is_empty());
+        assert_eq!(got.blocks, plain.blocks);
+        assert_eq!(got.tail_hash, plain.tail_hash);
+    }
+
+    #[test]
     fn usage_is_asked_for_only_where_it_changes_nothing_else() {
         let cfg = InspectConfig::default();
         let ask = |body: &str| {
@@ -670,6 +703,19 @@ mod tests {
             r#"{{{msgs},"stream":true,"stream_options":{{"include_usage":false}},"n":1}}"#
         ))
         .unwrap();
+        let v: serde_json::Value = serde_json::from_str(&rewritten).unwrap();
+        assert_eq!(v["stream_options"]["include_usage"], true);
+        assert!(rewritten.ends_with(r#""n":1}"#), "{rewritten}");
+        // `null` is replaced where it stands, never joined by a second `stream_options`.
+        let rewritten = ask(&format!(
+            r#"{{{msgs},"stream":true,"stream_options":null,"n":1}}"#
+        ))
+        .unwrap();
+        assert_eq!(
+            rewritten.matches("stream_options").count(),
+            1,
+            "{rewritten}"
+        );
         let v: serde_json::Value = serde_json::from_str(&rewritten).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert!(rewritten.ends_with(r#""n":1}"#), "{rewritten}");

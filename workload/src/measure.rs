@@ -189,6 +189,10 @@ pub fn classify_event(data: &str) -> EventInfo {
 /// Fields it reads (`choices`, `usage`, `error`) of unexpected types make the event unreadable
 /// (`error`), as data that is not JSON does.
 pub fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
+    if data.is_empty() {
+        // An event without data is not dispatched at all (the SSE standard's rule): nothing.
+        return EventInfo::default();
+    }
     if data == DONE {
         return EventInfo {
             done: true,
@@ -266,7 +270,7 @@ pub struct Passed {
 pub struct ResponseMeter {
     sse: Option<SseParser>,
     strip_usage: bool,
-    /// Bytes of an unfinished event held back while usage events are being cut out.
+    /// Bytes of an unfinished event, held back until it ends.
     held: BytesMut,
     /// The last event that ended was passed on (not cut out).
     last_kept: bool,
@@ -318,6 +322,13 @@ pub struct ResponseTiming {
 }
 
 impl ResponseTiming {
+    /// Forgets the output instants (TTFT, gaps): for an answer that was an error, not output.
+    pub fn without_output(&mut self) {
+        self.ttft = None;
+        self.last_output = None;
+        self.itl.clear();
+    }
+
     /// Output tokens: the usage's count, else (streams) the output events.
     pub fn output_tokens(&self) -> u64 {
         self.usage
@@ -390,14 +401,10 @@ impl ResponseMeter {
                 first_output: false,
             };
         };
-        let forward = if self.strip_usage {
-            self.strip(&mut parser, chunk)
-        } else {
-            parser.feed(&chunk, |ev| {
-                self.on_event(&ev.data);
-            });
-            Some(chunk)
-        };
+        // Whole events only, whether or not usage is cut: a stream the engine breaks off in the
+        // middle of an event then ends on an event boundary, where the proxy's error event can
+        // follow, instead of glued to half an event.
+        let forward = self.whole_events(&mut parser, chunk);
         self.sse = Some(parser);
         Passed {
             forward,
@@ -405,10 +412,23 @@ impl ResponseMeter {
         }
     }
 
+    /// The stream ended in the middle of an event, before `[DONE]` or a finish reason: an
+    /// engine that frames its answer by closing the connection was cut off, not finished.
+    pub fn broken_off(&self) -> bool {
+        self.sse.is_some()
+            && !self.done
+            && self.finish_reason.is_none()
+            && self.held.iter().any(|b| !b.is_ascii_whitespace())
+    }
+
     /// Bytes held for an event not finished yet (its line and data so far, and what usage
     /// stripping holds back): bounded by the longest event, not the stream.
     pub fn buffered(&self) -> usize {
-        self.sse.as_ref().map_or(0, SseParser::buffered) + self.held.len()
+        // The held bytes and the parser's buffer are the same unfinished event, counted once.
+        self.sse
+            .as_ref()
+            .map_or(0, SseParser::buffered)
+            .max(self.held.len())
     }
 
     /// The bytes of the last chunk reached the client's connection at `now`: its output events
@@ -423,8 +443,9 @@ impl ResponseMeter {
         }
     }
 
-    /// Feeds `chunk`, keeping whole events only and leaving out usage-only ones.
-    fn strip(&mut self, parser: &mut SseParser, chunk: Bytes) -> Option<Bytes> {
+    /// Feeds `chunk`, keeping whole events only and, when cutting usage, leaving out usage-only
+    /// ones.
+    fn whole_events(&mut self, parser: &mut SseParser, chunk: Bytes) -> Option<Bytes> {
         let mut pieces: Vec<Bytes> = Vec::new();
         let mut held = std::mem::take(&mut self.held);
         let mut run: Option<usize> = None;
@@ -439,7 +460,7 @@ impl ResponseMeter {
         }
         let mut last_kept = self.last_kept;
         parser.feed_with_ends(&chunk, |end, ev| {
-            let keep = ev.is_none_or(|e| !self.on_event(&e.data).usage_only);
+            let keep = ev.is_none_or(|e| !(self.on_event(&e.data).usage_only && self.strip_usage));
             last_kept = keep;
             if start == 0 && !held.is_empty() {
                 let h = std::mem::take(&mut held);
@@ -617,6 +638,7 @@ mod tests {
             (error, false),
             (DONE, false),
             ("not json", false),
+            ("", false),
         ] {
             assert_eq!(classify_event(data).output, want, "{data}");
         }
@@ -635,6 +657,10 @@ mod tests {
         let f = classify_event(finish);
         assert_eq!(f.finish_reason.as_deref(), Some("stop"));
         assert!(classify_event(error).error && classify_event("nope").error);
+        assert!(
+            !classify_event("").error,
+            "an event without data is no event"
+        );
         assert!(classify_event(DONE).done);
     }
 
@@ -777,11 +803,46 @@ mod tests {
     }
 
     #[test]
-    fn without_stripping_every_chunk_passes_untouched() {
+    fn without_stripping_every_byte_passes_in_whole_events() {
         let with = stream(true);
-        let (out, t) = relay(&with, &[10, 200, 201], false);
-        assert_eq!(out, with);
-        assert_eq!(t.output_tokens(), 3);
+        for i in 0..=with.len() {
+            let (out, t) = relay(&with, &[i], false);
+            assert_eq!(out, with, "split at {i}");
+            assert_eq!(t.output_tokens(), 3);
+        }
+        // An event split over two chunks is passed on once it has ended.
+        let mut m = ResponseMeter::new(true, false);
+        let now = Instant::now();
+        let first_event = with.windows(2).position(|w| w == b"\n\n").unwrap() + 2;
+        let p = m.on_chunk(Bytes::copy_from_slice(&with[..first_event + 5]), now);
+        assert_eq!(p.forward.as_deref(), Some(&with[..first_event]));
+        assert!(m.broken_off(), "a stream ending here ends mid-event");
+        let p = m.on_chunk(Bytes::copy_from_slice(&with[first_event + 5..]), now);
+        assert_eq!(p.forward.as_deref(), Some(&with[first_event..]));
+        assert!(!m.broken_off());
+    }
+
+    #[test]
+    fn a_stream_cut_mid_event_is_told_from_one_that_ended() {
+        let with = stream(false);
+        let mid = with.windows(6).position(|w| w == b" three").unwrap();
+        let mut m = ResponseMeter::new(true, false);
+        m.on_chunk(Bytes::copy_from_slice(&with[..mid]), Instant::now());
+        assert!(m.broken_off());
+        // A trailing line end without a blank line after it is not an unfinished answer once the
+        // finish reason or `[DONE]` came.
+        let mut m = ResponseMeter::new(true, false);
+        m.on_chunk(
+            Bytes::copy_from_slice(&with[..with.len() - 1]),
+            Instant::now(),
+        );
+        assert!(!m.broken_off());
+        // Nor is whitespace left after the last event.
+        let mut m = ResponseMeter::new(true, false);
+        let mut spaced = with.clone();
+        spaced.extend_from_slice(b"\n");
+        m.on_chunk(Bytes::from(spaced), Instant::now());
+        assert!(!m.broken_off());
     }
 
     #[test]

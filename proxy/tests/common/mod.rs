@@ -180,14 +180,21 @@ impl Drop for OpenStream {
 pub async fn recording_engine() -> (String, std::sync::Arc<Seen>) {
     use axum::http::HeaderMap;
     use axum::response::IntoResponse;
-    use axum::routing::{get, post};
+    use axum::routing::{get, options};
     let seen = std::sync::Arc::new(Seen::default());
     let log = seen.clone();
     let app = axum::Router::new()
         .route("/health", get(|| async { "" }))
         .route(
             "/v1/completions",
-            post(move |headers: HeaderMap| {
+            // A CORS preflight, answered as vLLM's default middleware answers it.
+            options(|| async {
+                [
+                    ("access-control-allow-origin", "*"),
+                    ("access-control-allow-methods", "POST"),
+                ]
+            })
+            .post(move |headers: HeaderMap| {
                 let log = log.clone();
                 async move {
                     let h = headers
