@@ -592,8 +592,9 @@ pub struct LimitConfig {
     pub max_header_bytes: u64,
     /// Most request header fields accepted (431 above).
     pub max_headers: u32,
-    /// Longest server-sent event accepted from a replica; a longer one (a line that never ends)
-    /// cuts the stream with an error event.
+    /// Longest unfinished server-sent event held between two reads from a replica; past it (a
+    /// line that never ends) the stream is cut with an error event. An event that ends within the
+    /// read that takes it past the bound (at most 64 KiB more) still passes.
     pub max_event_bytes: u64,
     /// Other replicas tried when one fails before any response byte reached the client.
     pub retries: u32,

@@ -15,7 +15,7 @@ use headroom_workload::inspect::{
 use headroom_workload::measure::ResponseMeter;
 use http::{Method, header};
 use pingora::connectors::http::Connector;
-use pingora::http::ResponseHeader;
+use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::proxy::{ProxyHttp, Session};
 use pingora::upstreams::peer::HttpPeer;
 
@@ -171,8 +171,22 @@ pub struct RequestCtx {
 enum Route {
     Generate(Endpoint),
     Models,
+    /// A CORS preflight on a served path.
+    Preflight,
     PassThrough,
     Unknown,
+}
+
+/// A browser's CORS preflight: `OPTIONS` with `Origin` and `Access-Control-Request-Method`, and
+/// no body.
+fn is_preflight(req: &RequestHeader) -> bool {
+    let h = &req.headers;
+    req.method == Method::OPTIONS
+        && h.contains_key(header::ORIGIN)
+        && h.contains_key(header::ACCESS_CONTROL_REQUEST_METHOD)
+        && !h.contains_key(header::TRANSFER_ENCODING)
+        && h.get(header::CONTENT_LENGTH)
+            .is_none_or(|v| v.as_bytes() == b"0")
 }
 
 fn route_of(path: &str) -> (Route, &'static str) {
@@ -254,10 +268,10 @@ impl Headroom {
         let path = session.req_header().uri.path().to_owned();
         let method = session.req_header().method.clone();
         let (mut route, mut name) = route_of(&path);
-        if method == Method::OPTIONS && !matches!(route, Route::Unknown) {
+        if !matches!(route, Route::Unknown) && is_preflight(session.req_header()) {
             // A browser's CORS preflight carries no credentials and starts no work: the engine
             // answers it as it would directly (vLLM allows every origin unless told otherwise).
-            (route, name) = (Route::PassThrough, "preflight");
+            (route, name) = (Route::Preflight, "preflight");
         }
         ctx.route = name;
         check_headers(session, &self.cfg.limits)?;
@@ -300,6 +314,20 @@ impl Headroom {
                     return Err(ProxyError::method_not_allowed(&method, &path, "GET"));
                 }
                 self.models(session, ctx).await
+            }
+            Route::Preflight => {
+                // Without the engine's key (its CORS middleware answers preflights unasked for
+                // one), and without a body.
+                let out = Outgoing {
+                    body: Bytes::new(),
+                    route: RouteRequest::default(),
+                    record: false,
+                    model: None,
+                    max_tokens: None,
+                };
+                self.forward(session, ctx, out, &self.passthrough)
+                    .await
+                    .map(drop)
             }
             Route::PassThrough => {
                 let body = self.read_body(session).await?;
@@ -461,9 +489,13 @@ impl Headroom {
     /// Reads the whole request body, refusing one over `limits.max_body_bytes`.
     async fn read_body(&self, session: &mut Session) -> Result<Bytes, ProxyError> {
         let read = self.read_body_within_limits(session).await;
-        if read.is_err() {
-            // Whatever is left of the body (unread, over the limit, or framed wrongly) would be
-            // read as the next request on this connection: it is closed after the error instead.
+        if read
+            .as_ref()
+            .is_err_and(|e| matches!(e.kind, ErrorKind::ClientBody | ErrorKind::BodyTimeout))
+        {
+            // What is left of a body framed wrongly, or still on its way, would be read as the
+            // next request on this connection: it is closed after the answer instead. (A body
+            // over the limit is left to pingora, which drains or closes without a reset.)
             session.set_keepalive(None);
         }
         read

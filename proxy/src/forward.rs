@@ -197,7 +197,13 @@ fn upstream_header(
     up.insert_header(header::CONTENT_LENGTH, body_len.to_string())
         .map_err(bad)?;
     up.insert_header("x-request-id", request_id).map_err(bad)?;
-    if let Some(auth) = &backend.authorization {
+    // A preflight (the only OPTIONS forwarded without a client key) goes without the engine's
+    // key: engines answer preflights unauthenticated, and nothing keyless goes out with it.
+    if let Some(auth) = backend
+        .authorization
+        .as_ref()
+        .filter(|_| down.method != http::Method::OPTIONS)
+    {
         up.insert_header(header::AUTHORIZATION, auth.clone())
             .map_err(bad)?;
     }
@@ -591,10 +597,7 @@ impl Headroom {
                 .headers
                 .get(header::CONTENT_TYPE)
                 .and_then(|v| v.to_str().ok())
-                .is_some_and(|v| {
-                    v.get(..17)
-                        .is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream"))
-                });
+                .is_some_and(headroom_workload::sse::is_event_stream);
         let has_length = resp.headers.contains_key(header::CONTENT_LENGTH);
         if !has_length && session.req_header().version == http::Version::HTTP_10 {
             // An HTTP/1.0 client knows no chunked coding: its body ends when the connection

@@ -105,6 +105,13 @@ pub fn completed(relayed: bool, status: u16, timing: &ResponseTiming) -> bool {
         && timing.finish_reason.as_deref() != Some("abort")
 }
 
+/// Whether a response of `status` can carry output. An error answer cannot: it takes no TTFT (a
+/// fast 429 or 500 would otherwise make the percentiles better the worse things get). A client
+/// that left (499) may have had its first tokens: those stay.
+pub fn answers_with_output(status: u16) -> bool {
+    (200..300).contains(&status) || status == 499
+}
+
 /// The objectives a timing missed, by name.
 pub fn missed(o: &Objectives, t: &ResponseTiming) -> Vec<&'static str> {
     let mut out = Vec::new();
@@ -196,6 +203,9 @@ impl Recorder {
             mut timing,
             ..
         } = o;
+        if !answers_with_output(o.status) {
+            timing.without_output();
+        }
         let tpot = timing.tpot();
         let backend = o.backend.unwrap_or("none");
         let shadow = if o.shadow.is_some() { "true" } else { "false" };
@@ -371,10 +381,7 @@ impl Headroom {
             .take()
             .map(|m| m.into_timing(ctx.start))
             .unwrap_or_default();
-        if !(200..300).contains(&ctx.status) && ctx.status != 499 {
-            // An error answer is no output: it takes no TTFT (a fast 429 or 500 would otherwise
-            // make the percentiles better the worse things get). A client that left (499) may
-            // have had its first tokens: those stay.
+        if !answers_with_output(ctx.status) {
             timing.without_output();
         }
         let completed = completed(ctx.completed, ctx.status, &timing);

@@ -386,7 +386,7 @@ impl Shadows {
             .headers()
             .get(http::header::CONTENT_TYPE)
             .and_then(|v| v.to_str().ok())
-            .is_some_and(|v| v.starts_with("text/event-stream"));
+            .is_some_and(headroom_workload::sse::is_event_stream);
         let mut meter = ResponseMeter::new(is_sse, false);
         if digest {
             meter = meter.with_digest();
@@ -407,7 +407,8 @@ impl Shadows {
                         break false;
                     }
                 }
-                Ok(Ok(None)) => break true,
+                // Ended mid-line with no finish: cut off, as on the primary path.
+                Ok(Ok(None)) => break !meter.broken_off(),
                 _ => break false,
             }
         };

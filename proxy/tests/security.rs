@@ -103,6 +103,19 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         preflight("/reset_prefix_cache").await.unwrap().status(),
         401
     );
+    // An OPTIONS that is no preflight (here: with a body) needs a key like any request.
+    let bare = reqwest::Client::new()
+        .request(
+            reqwest::Method::OPTIONS,
+            format!("http://{}/v1/completions", h.addr),
+        )
+        .body("{}")
+        .header("origin", "https://app.example")
+        .header("access-control-request-method", "POST")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(bare.status(), 401);
     assert!(
         seen.requests() == 0,
         "a preflight was counted as generation"
@@ -172,10 +185,11 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         line(r#"headroom_slo_requests_total{class="batch",pool="default",result="good"}"#),
         "2"
     );
-    // The keyless request, the unknown path, and the preflight of the unknown path.
+    // The keyless request, the unknown path, the preflight of the unknown path, and the
+    // OPTIONS with a body.
     assert_eq!(
         line(r#"headroom_proxy_errors_total{reason="missing_key"}"#),
-        "3"
+        "4"
     );
 }
 

@@ -458,8 +458,14 @@ pub fn ask_for_usage(body: &[u8], inspected: &Inspected) -> Option<Vec<u8>> {
         // `"stream_options": null` reads as absent but is a member all the same: inserting
         // another would send the key twice (which a strict engine refuses, and a lenient one
         // resolves to the client's null, leaving the usage chunk unasked for).
+        // The name can also appear in a message or a tool's schema: only a member of the body
+        // itself is one (looked for by parsing, only for the rare body that has the name).
         Some(_) => with_usage_option(body),
-        None if memchr::memmem::find(body, br#""stream_options""#).is_some() => {
+        None if memchr::memmem::find(body, br#""stream_options""#).is_some_and(|_| {
+            serde_json::from_slice::<serde_json::Value>(body)
+                .is_ok_and(|v| v.get("stream_options").is_some())
+        }) =>
+        {
             with_usage_option(body)
         }
         None => {
@@ -706,6 +712,14 @@ mod tests {
         let v: serde_json::Value = serde_json::from_str(&rewritten).unwrap();
         assert_eq!(v["stream_options"]["include_usage"], true);
         assert!(rewritten.ends_with(r#""n":1}"#), "{rewritten}");
+        // The name elsewhere in the body (a tool's schema) leaves every byte as sent.
+        let elsewhere = r#"{"messages":[{"role":"user","content":"hi"}],"stream":true,
+            "tools":[{"type":"function","function":{"name":"f","parameters":{"type":"object",
+            "properties":{"stream_options":{"type":"string"}}}}}]}"#;
+        assert!(
+            ask(elsewhere).unwrap().ends_with(&elsewhere[1..]),
+            "{elsewhere}"
+        );
         // `null` is replaced where it stands, never joined by a second `stream_options`.
         let rewritten = ask(&format!(
             r#"{{{msgs},"stream":true,"stream_options":null,"n":1}}"#

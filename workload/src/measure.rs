@@ -190,7 +190,8 @@ pub fn classify_event(data: &str) -> EventInfo {
 /// (`error`), as data that is not JSON does.
 pub fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
     if data.is_empty() {
-        // An event without data is not dispatched at all (the SSE standard's rule): nothing.
+        // An event whose data is empty has nothing to read (clients skip it): it is no output,
+        // no error.
         return EventInfo::default();
     }
     if data == DONE {
@@ -412,17 +413,19 @@ impl ResponseMeter {
         }
     }
 
-    /// The stream ended in the middle of an event, before `[DONE]` or a finish reason: an
-    /// engine that frames its answer by closing the connection was cut off, not finished.
+    /// The stream ended in the middle of a line, before `[DONE]` or a finish reason: an engine
+    /// that frames its answer by closing the connection was cut off, not finished. (Whole lines
+    /// of a last event without its blank line are an engine's sloppy ending, not a cut.)
     pub fn broken_off(&self) -> bool {
         self.sse.is_some()
             && !self.done
             && self.finish_reason.is_none()
             && self.held.iter().any(|b| !b.is_ascii_whitespace())
+            && !matches!(self.held.last(), Some(b'\n' | b'\r'))
     }
 
-    /// Bytes held for an event not finished yet (its line and data so far, and what usage
-    /// stripping holds back): bounded by the longest event, not the stream.
+    /// Bytes held for an event not finished yet (its line and data so far): bounded by the
+    /// longest event, not the stream.
     pub fn buffered(&self) -> usize {
         // The held bytes and the parser's buffer are the same unfinished event, counted once.
         self.sse
@@ -479,6 +482,12 @@ impl ResponseMeter {
             start = end;
         });
         if let Some(s) = run {
+            if s == 0 && start == chunk.len() && pieces.is_empty() {
+                // The usual chunk: whole events, all kept, nothing held before it.
+                self.held = held;
+                self.last_kept = last_kept;
+                return Some(chunk);
+            }
             pieces.push(chunk.slice(s..start));
         }
         held.extend_from_slice(&chunk[start..]);
@@ -834,6 +843,13 @@ mod tests {
         let mut m = ResponseMeter::new(true, false);
         m.on_chunk(
             Bytes::copy_from_slice(&with[..with.len() - 1]),
+            Instant::now(),
+        );
+        assert!(!m.broken_off());
+        // Nor are whole lines of a last event that lacks its blank line.
+        let mut m = ResponseMeter::new(true, false);
+        m.on_chunk(
+            Bytes::from_static(b"data: {\"choices\":[{\"text\":\"a\"}]}\n"),
             Instant::now(),
         );
         assert!(!m.broken_off());

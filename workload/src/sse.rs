@@ -12,6 +12,14 @@ use std::borrow::Cow;
 const KEPT_EVENT_CAPACITY: usize = 16 * 1024;
 
 /// The payload that ends an OpenAI-compatible stream.
+/// Whether a `Content-Type` value is an SSE stream's (`text/event-stream`, in any case, with or
+/// without parameters).
+pub fn is_event_stream(content_type: &str) -> bool {
+    content_type
+        .get(..17)
+        .is_some_and(|t| t.eq_ignore_ascii_case("text/event-stream"))
+}
+
 pub const DONE: &str = "[DONE]";
 
 /// Appends one `data:` event to `out`. `data` must not contain a line break (JSON never does).
