@@ -315,34 +315,34 @@ impl Headroom {
                 }
                 self.models(session, ctx).await
             }
-            Route::Preflight => {
-                // Without the engine's key (its CORS middleware answers preflights unasked for
-                // one), and without a body.
-                let out = Outgoing {
-                    body: Bytes::new(),
-                    route: RouteRequest::default(),
-                    record: false,
-                    model: None,
-                    max_tokens: None,
-                };
-                self.forward(session, ctx, out, &self.passthrough)
-                    .await
-                    .map(drop)
-            }
+            // Without the engine's key (its CORS middleware answers preflights unasked for one),
+            // and without a body.
+            Route::Preflight => self.pass_through(session, ctx, Bytes::new()).await,
             Route::PassThrough => {
                 let body = self.read_body(session).await?;
-                let out = Outgoing {
-                    body,
-                    route: RouteRequest::default(),
-                    record: false,
-                    model: None,
-                    max_tokens: None,
-                };
-                self.forward(session, ctx, out, &self.passthrough)
-                    .await
-                    .map(drop)
+                self.pass_through(session, ctx, body).await
             }
         }
+    }
+
+    /// Forwards a request that is neither generation nor routed by prompt, to the least-loaded
+    /// replica, unrecorded.
+    async fn pass_through(
+        &self,
+        session: &mut Session,
+        ctx: &mut RequestCtx,
+        body: Bytes,
+    ) -> Result<(), ProxyError> {
+        let out = Outgoing {
+            body,
+            route: RouteRequest::default(),
+            record: false,
+            model: None,
+            max_tokens: None,
+        };
+        self.forward(session, ctx, out, &self.passthrough)
+            .await
+            .map(drop)
     }
 
     async fn generate(
