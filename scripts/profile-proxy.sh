@@ -50,5 +50,7 @@ profile=$(ls "$OUT"/callgrind.out.* | head -1)
 chunks=$(( N * (TOKENS + 1) ))
 echo "profile: $profile ($N requests, $chunks relayed events)"
 callgrind_annotate --inclusive=yes "$profile" 2>/dev/null |
-  grep -E 'PROGRAM TOTALS|forward::<impl headroom_proxy::app::Headroom>::forward::\{\{closure\}\} \[|ResponseMeter::on_chunk \[|measure::read_event \[|Session::write_response_body::\{\{closure\}\} \[|BodyReader::read_body::\{\{closure\}\} \[|finish_record \[' |
-  awk -v c="$chunks" '{n=$1; gsub(",", "", n); printf "%14s  %7.0f per event  %s\n", $1, n / c, $NF}'
+  grep -E 'PROGRAM TOTALS|forward::<impl headroom_proxy::app::Headroom>::forward::\{\{closure\}\} \[|ResponseMeter::(on_chunk|whole_events)[^ ]* \[|measure::read_event \[|Session::write_response_body::\{\{closure\}\} \[|BodyReader::read_body::\{\{closure\}\} \[|finish_record \[' |
+  awk -v c="$chunks" '{n=$1; gsub(",", "", n); f=$0; sub(/^[^)]*\)[ ]+/, "", f);
+    sub(/ \[.*$/, "", f); sub(/^[^:]*:/, "", f);
+    printf "%14s  %7.0f per event  %s\n", $1, n / c, substr(f, 1, 110)}'
