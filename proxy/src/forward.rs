@@ -604,7 +604,19 @@ impl Headroom {
             // closes (RFC 9112 §6.1).
             resp.remove_header(&header::TRANSFER_ENCODING);
             session.set_keepalive(None);
+        } else if !has_length
+            && !resp.headers.contains_key(header::TRANSFER_ENCODING)
+            && !matches!(resp.status.as_u16(), 204 | 304)
+            && session.req_header().method != http::Method::HEAD
+        {
+            // An engine that ends its answer by closing the connection (an HTTP/1.0 server, or
+            // `Connection: close` without a length): the client gets it chunked, so its own
+            // connection stays open and a cut still shows as one (no last chunk).
+            let _ = resp.insert_header(header::TRANSFER_ENCODING, "chunked");
         }
+        // The client speaks with this proxy, an HTTP/1.1 server, whatever version the engine
+        // answered in (RFC 9110 §6.2).
+        resp.set_version(http::Version::HTTP_11);
         let end_now = up.response_done();
         if session
             .write_response_header(Box::new(resp), false)

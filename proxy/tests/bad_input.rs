@@ -303,9 +303,9 @@ async fn an_http10_client_gets_a_stream_it_can_read() {
     assert!(stream.matches("data: ").count() >= 6, "{stream:?}");
 }
 
-/// An engine that answers every generation request with an interim `103 Early Hints` (and a
-/// `100 Continue`) before its final answer, and every other request with an empty 200.
-async fn engine_with_interim_answers() -> String {
+/// An engine written byte by byte: it answers every generation request with `answer` (then
+/// closes the connection when `close`), and every other request with an empty 200.
+async fn raw_engine(answer: &'static str, close: bool) -> String {
     let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.unwrap();
     let url = format!("http://{}", listener.local_addr().unwrap());
     tokio::spawn(async move {
@@ -335,17 +335,13 @@ async fn engine_with_interim_answers() -> String {
                         continue;
                     }
                     got.drain(..end + 4 + length);
-                    let answer = if head.starts_with("post") {
-                        let body = r#"{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":0,"text":" ok","finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
-                        format!(
-                            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n\
-                             HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{body}",
-                            body.len()
-                        )
+                    let post = head.starts_with("post");
+                    let reply = if post {
+                        answer
                     } else {
-                        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n".to_owned()
+                        "HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n"
                     };
-                    if tcp.write_all(answer.as_bytes()).await.is_err() {
+                    if tcp.write_all(reply.as_bytes()).await.is_err() || (post && close) {
                         return;
                     }
                 }
@@ -355,14 +351,66 @@ async fn engine_with_interim_answers() -> String {
     url
 }
 
+const JSON_ANSWER: &str = r#"{"id":"cmpl-1","object":"text_completion","model":"m","choices":[{"index":0,"text":" ok","finish_reason":"stop"}],"usage":{"prompt_tokens":3,"completion_tokens":1,"total_tokens":4}}"#;
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn interim_answers_from_an_engine_are_read_past() {
-    let url = engine_with_interim_answers().await;
+    let answer: &'static str = Box::leak(
+        format!(
+            "HTTP/1.1 100 Continue\r\n\r\nHTTP/1.1 103 Early Hints\r\nlink: </x>; rel=preload\r\n\r\n\
+             HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ncontent-length: {}\r\n\r\n{JSON_ANSWER}",
+            JSON_ANSWER.len()
+        )
+        .into_boxed_str(),
+    );
+    let url = raw_engine(answer, false).await;
     let h = proxy(&url, |_| {}).await;
     for _ in 0..2 {
         let (r, _) = exchange(&h, &request("", BODY)).await;
         assert_eq!(status(&r), 200, "{r}");
         assert_eq!(r.matches("HTTP/1.1").count(), 1, "{r}");
         assert!(r.ends_with(r#""total_tokens":4}}"#), "{r}");
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_answer_ended_by_closing_reaches_the_client_framed() {
+    // An HTTP/1.0 engine: no length, no chunks, the end of the stream is the end of the answer.
+    let url = raw_engine(
+        "HTTP/1.0 200 OK\r\ncontent-type: text/event-stream\r\n\r\n\
+         data: {\"choices\":[{\"index\":0,\"text\":\" ok\",\"finish_reason\":\"stop\"}]}\n\n\
+         data: [DONE]\n\n",
+        true,
+    )
+    .await;
+    let h = proxy(&url, |_| {}).await;
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":1,"stream":true}"#;
+    // Two requests on one kept-alive connection: the first answer is chunked, so the client's
+    // connection outlives the engine's.
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    for round in 0..2 {
+        tcp.write_all(&keepalive_request("", body)).await.unwrap();
+        let mut got = Vec::new();
+        let mut buf = vec![0u8; 65_536];
+        while !got.ends_with(b"0\r\n\r\n") {
+            let n = tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut buf))
+                .await
+                .expect("the answer ends")
+                .unwrap();
+            assert!(
+                n > 0,
+                "round {round}: closed after {:?}",
+                String::from_utf8_lossy(&got)
+            );
+            got.extend_from_slice(&buf[..n]);
+        }
+        let r = String::from_utf8_lossy(&got);
+        assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+        assert!(
+            r.to_ascii_lowercase()
+                .contains("transfer-encoding: chunked"),
+            "{r}"
+        );
+        assert!(r.contains("data: [DONE]"), "{r}");
     }
 }
