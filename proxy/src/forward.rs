@@ -125,15 +125,16 @@ pub struct HeaderRules {
     pub proto: &'static str,
 }
 
-/// The header names a `Connection` header lists (lowercase): they describe the client's
-/// connection only and go no further than the proxy (RFC 9110 §7.6.1).
-fn connection_listed(headers: &http::HeaderMap) -> Vec<String> {
+/// The header names a `Connection` header lists: they describe the client's connection only and
+/// go no further than the proxy (RFC 9110 §7.6.1). Borrowed, so the usual request (no such
+/// header, or `keep-alive` alone) allocates at most the list.
+fn connection_listed(headers: &http::HeaderMap) -> Vec<&str> {
     headers
         .get_all(header::CONNECTION)
         .iter()
         .filter_map(|v| v.to_str().ok())
         .flat_map(|v| v.split(','))
-        .map(|t| t.trim().to_ascii_lowercase())
+        .map(str::trim)
         .filter(|t| !t.is_empty())
         .collect()
 }
@@ -160,10 +161,10 @@ pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> htt
 impl HeaderRules {
     /// Whether a client request header is passed on to a replica; `listed` are the names its
     /// `Connection` header lists.
-    fn forwards(&self, name: &http::HeaderName, listed: &[String]) -> bool {
+    fn forwards(&self, name: &http::HeaderName, listed: &[&str]) -> bool {
         let n = name.as_str();
         !(HOP_BY_HOP.contains(&n)
-            || listed.iter().any(|l| l == n)
+            || listed.iter().any(|l| l.eq_ignore_ascii_case(n))
             || n == self.class_header
             || (self.strip_authorization && name == header::AUTHORIZATION)
             || (!self.trust_forwarded && is_forwarding(n)))
@@ -599,13 +600,14 @@ impl Headroom {
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(headroom_workload::sse::is_event_stream);
         let has_length = resp.headers.contains_key(header::CONTENT_LENGTH);
-        if !has_length && session.req_header().version == http::Version::HTTP_10 {
+        if has_length {
+            // Framed by its length, whoever the client is.
+        } else if session.req_header().version == http::Version::HTTP_10 {
             // An HTTP/1.0 client knows no chunked coding: its body ends when the connection
             // closes (RFC 9112 §6.1).
             resp.remove_header(&header::TRANSFER_ENCODING);
             session.set_keepalive(None);
-        } else if !has_length
-            && !resp.headers.contains_key(header::TRANSFER_ENCODING)
+        } else if !resp.headers.contains_key(header::TRANSFER_ENCODING)
             && !matches!(resp.status.as_u16(), 204 | 304)
             && session.req_header().method != http::Method::HEAD
         {

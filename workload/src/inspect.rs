@@ -453,21 +453,23 @@ pub fn ask_for_usage(body: &[u8], inspected: &Inspected) -> Option<Vec<u8>> {
     if !inspected.stream || inspected.include_usage {
         return None;
     }
-    match &inspected.stream_options {
-        Some(o) if o.continuous_usage_stats => None,
-        // `"stream_options": null` reads as absent but is a member all the same: inserting
-        // another would send the key twice (which a strict engine refuses, and a lenient one
-        // resolves to the client's null, leaving the usage chunk unasked for).
-        // The name can also appear in a message or a tool's schema: only a member of the body
-        // itself is one (looked for by parsing, only for the rare body that has the name).
-        Some(_) => with_usage_option(body),
-        None if memchr::memmem::find(body, br#""stream_options""#).is_some_and(|_| {
+    // A body whose `stream_options` member is there (an object, or `null`, which reads as absent
+    // but is a member all the same: inserting another would send the key twice, which a strict
+    // engine refuses and a lenient one resolves to the client's null) is parsed and rewritten.
+    // The name can also appear in a message or a tool's schema: only a member of the body itself
+    // counts (looked for by parsing, only for the rare body that has the name).
+    let parsed = match &inspected.stream_options {
+        Some(o) if o.continuous_usage_stats => return None,
+        Some(_) => Some(serde_json::from_slice::<serde_json::Value>(body).ok()?),
+        None if memchr::memmem::find(body, br#""stream_options""#).is_some() => {
             serde_json::from_slice::<serde_json::Value>(body)
-                .is_ok_and(|v| v.get("stream_options").is_some())
-        }) =>
-        {
-            with_usage_option(body)
+                .ok()
+                .filter(|v| v.get("stream_options").is_some())
         }
+        None => None,
+    };
+    match parsed {
+        Some(v) => with_usage_option(v),
         None => {
             let open = body.iter().position(|b| !b.is_ascii_whitespace())?;
             if body[open] != b'{' {
@@ -492,10 +494,9 @@ pub fn ask_for_usage(body: &[u8], inspected: &Inspected) -> Option<Vec<u8>> {
     }
 }
 
-/// The body re-serialized with `stream_options.include_usage` set, whatever `stream_options` was
-/// (an object or `null`).
-fn with_usage_option(body: &[u8]) -> Option<Vec<u8>> {
-    let mut v: serde_json::Value = serde_json::from_slice(body).ok()?;
+/// The parsed body `v` re-serialized with `stream_options.include_usage` set, whatever
+/// `stream_options` was (an object or `null`).
+fn with_usage_option(mut v: serde_json::Value) -> Option<Vec<u8>> {
     let opts = v
         .as_object_mut()?
         .entry("stream_options")

@@ -481,18 +481,17 @@ impl ResponseMeter {
             }
             start = end;
         });
+        self.last_kept = last_kept;
+        if run == Some(0) && start == chunk.len() && pieces.is_empty() {
+            // The usual chunk: whole events, all kept, nothing held before it (nor now).
+            self.held = held;
+            return Some(chunk);
+        }
         if let Some(s) = run {
-            if s == 0 && start == chunk.len() && pieces.is_empty() {
-                // The usual chunk: whole events, all kept, nothing held before it.
-                self.held = held;
-                self.last_kept = last_kept;
-                return Some(chunk);
-            }
             pieces.push(chunk.slice(s..start));
         }
         held.extend_from_slice(&chunk[start..]);
         self.held = held;
-        self.last_kept = last_kept;
         match pieces.len() {
             0 => None,
             1 => pieces.pop(),
