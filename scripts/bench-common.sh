@@ -28,12 +28,21 @@ start_sims() {
 
 # cpu_of PID: CPU ticks (user + system) of a process and of its child processes.
 cpu_of() {
-  local total=0 p
+  local split
+  split=$(cpu_split_of "$@")
+  echo $(( ${split% *} + ${split#* } ))
+}
+
+# cpu_split_of PID: "USER SYSTEM", the CPU ticks of a process and of its child processes spent in
+# user space and in the kernel.
+cpu_split_of() {
+  local user=0 system=0 p
   for p in "$@" $(pgrep -P "$1" 2>/dev/null || true); do
     [ -r "/proc/$p/stat" ] || continue
-    total=$(( total + $(awk '{print $14 + $15}' "/proc/$p/stat") ))
+    read -r u s < <(awk '{print $14, $15}' "/proc/$p/stat")
+    user=$(( user + u )) system=$(( system + s ))
   done
-  echo "$total"
+  echo "$user $system"
 }
 
 # stream_trace FILE N TOKENS [LONG_EVERY LONG_TOKENS]: the overhead benchmarks' trace: N requests of

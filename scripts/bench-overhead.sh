@@ -12,6 +12,9 @@
 #                                                # then one per ITL_MS, no shared steps, so what a
 #                                                # hop adds is not rounded to an engine step)
 #   PIN=1 scripts/bench-overhead.sh              # each proxy on a core of its own (bench-common.sh)
+#   SYSCALLS=1 scripts/bench-overhead.sh         # also count each proxy's system calls by kind
+#                                                # (perf stat on its processes, every thread) and
+#                                                # print them per relayed chunk, side by side
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -55,6 +58,12 @@ fi
 SERVE_BIN=${SERVE_BIN:-$bin}
 
 source scripts/bench-common.sh
+
+counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
+if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
+  echo "SYSCALLS=1 needs perf with access to the syscall tracepoints (linux-perf; run as root)" >&2
+  exit 2
+fi
 
 # RATE × DURATION requests (and some slack); with LONG_EVERY=N every Nth prompt is a long one,
 # which the proxy must read and hash whole.
@@ -131,14 +140,28 @@ for round in $(seq "$ROUNDS"); do
       nginx) url=$nginx; watch=$nginx_pid ;;
     esac
     dir="$OUT/$config-$round"
-    before=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
+    before=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
     engine_before=$(engine_ttft)
     echo "== round $round: $config ($url)" >&2
+    counting=""
+    if [ "${SYSCALLS:-0}" = 1 ] && [ -n "$watch" ]; then
+      # Every thread of the proxy's processes (nginx: the master and its worker). raw_syscalls
+      # counts all of them; the named ones say which.
+      perf stat -x, -o "$dir-syscalls.csv" -e raw_syscalls:sys_enter,page-faults,context-switches \
+        -e "$(printf 'syscalls:sys_enter_%s,' $counted_syscalls | sed 's/,$//')" \
+        -p "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)" 2>/dev/null &
+      counting=$!
+      sleep 0.5
+    fi
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
       --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
-    after=$([ -n "$watch" ] && cpu_of "$watch" || echo 0)
-    echo "$(( after - before ))" >"$dir/cpu_ticks"
+    after=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
+    if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
+    read -r user0 system0 <<<"$before"
+    read -r user1 system1 <<<"$after"
+    echo "$(( user1 + system1 - user0 - system0 ))" >"$dir/cpu_ticks"
+    echo "$(( system1 - system0 ))" >"$dir/cpu_system_ticks"
     echo "$engine_before $(engine_ttft)" >"$dir/engine_ttft"
   done
 done
@@ -160,7 +183,7 @@ import json, statistics, sys
 out, rounds, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 rate, tokens, duration = sys.argv[4], sys.argv[5], sys.argv[6]
 def load(config):
-    ttft, itl, chunks, cpu, failed = {}, {}, 0, 0, 0
+    ttft, itl, chunks, cpu, system, failed = {}, {}, 0, 0, 0, 0
     engine_s, engine_n = 0.0, 0
     runs = []
     for r in range(1, rounds + 1):
@@ -170,6 +193,7 @@ def load(config):
         # Each completed stream relays one event per token and [DONE].
         chunks += sum((x["completion_tokens"] or 0) + 1 for x in d["requests"] if not x.get("error_kind"))
         cpu += int(open(f"{out}/{config}-{r}/cpu_ticks").read())
+        system += int(open(f"{out}/{config}-{r}/cpu_system_ticks").read())
         s0, n0, s1, n1 = map(float, open(f"{out}/{config}-{r}/engine_ttft").read().split())
         engine_s, engine_n = engine_s + s1 - s0, engine_n + n1 - n0
         failed += s["failed"]
@@ -181,7 +205,7 @@ def load(config):
             "itl_p50": median("itl", "p50_ms"), "itl_p99": median("itl", "p99_ms"),
             "rounds": [(s["ttft"]["p50_ms"], s["ttft"]["p99_ms"], s["itl"]["p99_ms"]) for s in runs],
             "late_p99": [s["send_lateness"]["p99_ms"] for s in runs],
-            "chunks": chunks, "cpu_s": cpu / hz, "failed": failed}
+            "chunks": chunks, "cpu_s": cpu / hz, "system_s": system / hz, "failed": failed}
 res = {c: load(c) for c in ("direct", "headroom", "nginx")}
 d = res["direct"]
 placement = sys.argv[7]
@@ -190,13 +214,14 @@ every = int(os.environ.get("LONG_EVERY", "0"))
 longs = f", 1 request in {every} a {os.environ['LONG_TOKENS']}-token prompt with a 1-token answer" if every else ""
 lines = [f"load: {rate} req/s (Poisson), {tokens}-token streams{longs}, {duration} s × {rounds} rounds per configuration, interleaved; replica: {sys.argv[8]}; {placement}",
          "percentiles: the median over rounds of each round's value", "",
-         "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | failed |",
-         "|---|---:|---:|---:|---:|---:|---:|---:|---:|"]
+         "| path | TTFT p50 ms | TTFT p99 ms | ITL p50 ms | ITL p99 ms | added TTFT p50 / p99 ms | added ITL p99 ms | proxy CPU µs per chunk | of it in the kernel | failed |",
+         "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
 for c, r in res.items():
     added = "" if c == "direct" else f"{r['ttft_p50']-d['ttft_p50']:+.2f} / {r['ttft_p99']-d['ttft_p99']:+.2f}"
     added_itl = "" if c == "direct" else f"{r['itl_p99']-d['itl_p99']:+.2f}"
     cpu = "" if c == "direct" else f"{1e6*r['cpu_s']/max(r['chunks'],1):.2f}"
-    lines.append(f"| {c} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['itl_p50']:.2f} | {r['itl_p99']:.2f} | {added} | {added_itl} | {cpu} | {r['failed']} |")
+    kernel = "" if c == "direct" else f"{1e6*r['system_s']/max(r['chunks'],1):.2f}"
+    lines.append(f"| {c} | {r['ttft_p50']:.2f} | {r['ttft_p99']:.2f} | {r['itl_p50']:.2f} | {r['itl_p99']:.2f} | {added} | {added_itl} | {cpu} | {kernel} | {r['failed']} |")
 lines += ["", "Where the added mean TTFT goes: the replica's own TTFT (arrival to first token) moves when a hop's",
           "delay puts a request into another engine step; the rest is the proxy's hop.", "",
           "| path | client TTFT mean ms | replica TTFT mean ms | added at the client | added at the replica | the hop's own |",
@@ -226,6 +251,27 @@ for r in range(1, rounds + 1):
 if gaps:
     lines += ["", "|client TTFT - headroom's own TTFT (from its capture)| per request, each round:", ""]
     lines += [f"- round {i}: {g.split(': ', 1)[-1]}" for i, g in enumerate(gaps, 1)]
+# System calls per relayed chunk by kind (SYSCALLS=1): perf stat's CSV rows are count,unit,event,...
+def syscalls(config):
+    counts = {}
+    for r in range(1, rounds + 1):
+        try:
+            rows = open(f"{out}/{config}-{r}/syscalls.csv").read().splitlines()
+        except OSError:
+            return None
+        for row in rows:
+            f = row.split(",")
+            if len(f) > 2 and f[0].strip().isdigit():
+                name = f[2].replace("syscalls:sys_enter_", "").replace("raw_syscalls:sys_enter", "all system calls")
+                counts[name] = counts.get(name, 0) + int(f[0])
+    return counts
+calls = {c: syscalls(c) for c in ("headroom", "nginx")}
+if all(calls.values()):
+    names = sorted({k for v in calls.values() for k, n in v.items() if n}, key=lambda k: (k.startswith("all") is False, "-" not in k, k))
+    per = lambda c, k: calls[c].get(k, 0) / max(res[c]["chunks"], 1)
+    lines += ["", "System calls, page faults and context switches per relayed chunk (perf stat on every thread",
+              "of each proxy):", "", "| event | headroom | nginx |", "|---|---:|---:|"]
+    lines += [f"| {k} | {per('headroom', k):.3f} | {per('nginx', k):.3f} |" for k in names]
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]

@@ -802,7 +802,8 @@ pub struct CaptureConfig {
     /// Rotated files kept; older ones are deleted at each rotation (0: keep all, for a collector
     /// that moves them away).
     pub keep_files: u32,
-    /// Records waiting for the writer at most; beyond, records are dropped and counted.
+    /// Records waiting for the writer at most; beyond, records are dropped and counted. The
+    /// writer takes them in batches 20 ms apart, so this should hold at least 20 ms of requests.
     pub buffer_records: usize,
     /// Secret that keys the trace's hash ids; absent, a random one per process (ids then match
     /// only within one process's captures).
