@@ -13,7 +13,7 @@
 //! | `SLOTS` | 30 | covers the 5-minute window |
 //! | significant digits | 2 | percentiles within 0.4% (a bucket's middle); a slot's five histograms stay ~50 KB |
 //!
-//! Values are recorded in microseconds (1 µs to 1 hour). Until a window has been running for its
+//! Values are recorded in microseconds (1 µs to 1 hour); each measure's maximum is kept exactly. Until a window has been running for its
 //! whole length, rates are over the time since the first slot.
 
 use std::collections::BTreeMap;
@@ -65,6 +65,8 @@ struct Slot {
     good_output_tokens: u64,
     prompt_tokens: u64,
     hists: [Histogram<u32>; 5],
+    /// Each measure's largest value in µs, exact (a histogram keeps only its bucket).
+    max_us: [u64; 5],
 }
 
 const TTFT: usize = 0;
@@ -92,6 +94,7 @@ impl Slot {
             good_output_tokens: 0,
             prompt_tokens: 0,
             hists: std::array::from_fn(|_| histogram()),
+            max_us: [0; 5],
         }
     }
 
@@ -112,12 +115,17 @@ impl Slot {
             (QUEUE, f.queue),
         ] {
             if let Some(v) = v {
-                let _ = self.hists[i].record(us(v));
+                self.observe(i, us(v));
             }
         }
         for gap in f.itl {
-            let _ = self.hists[ITL].record(us(*gap));
+            self.observe(ITL, us(*gap));
         }
+    }
+
+    fn observe(&mut self, measure: usize, us: u64) {
+        let _ = self.hists[measure].record(us);
+        self.max_us[measure] = self.max_us[measure].max(us);
     }
 }
 
@@ -249,7 +257,7 @@ impl Stats {
                             p50: ms(0.50),
                             p95: ms(0.95),
                             p99: ms(0.99),
-                            max: h.max() as f64 / 1e3,
+                            max: slots.iter().map(|s| s.max_us[i]).max().unwrap_or(0) as f64 / 1e3,
                         },
                     );
                 }
@@ -347,5 +355,16 @@ mod tests {
                 "{got} against {exact}"
             );
         }
+        // The largest gap is exact to the µs, not its bucket's edge, and the window's maximum is the
+        // largest over its slots.
+        assert_eq!(itl.max, 11.999);
+        let later = Finished {
+            completed: true,
+            itl: &[Duration::from_micros(10_321)],
+            ..Finished::default()
+        };
+        stats.record("p", "c", &later, t0 + Duration::from_secs(SLOT_SECS));
+        let snap = stats.snapshot(t0 + Duration::from_secs(SLOT_SECS));
+        assert_eq!(snap["1m"][0].latency["itl_ms"].max, 11.999);
     }
 }
