@@ -186,12 +186,18 @@ async fn rejoin(src: &EventSource, index: &Index, m: &StreamMetrics) -> Option<(
         }
         _ => {
             tracing::info!(backend = %src.name, "engine restarted while disconnected: its cached blocks are forgotten");
-            m.restarts.inc();
-            lock(index).restarted(src.id);
-            src.policy.forget(src.id);
+            forget_restarted(src, index, m);
             catch_up(src, index, m, 0, None).await
         }
     }
+}
+
+/// A restarted engine holds nothing it held before: its picture and the policy's approximate
+/// history of it are both cleared, and the restart is counted.
+fn forget_restarted(src: &EventSource, index: &Index, m: &StreamMetrics) {
+    m.restarts.inc();
+    lock(index).restarted(src.id);
+    src.policy.forget(src.id);
 }
 
 async fn stopped(stop: &mut watch::Receiver<bool>) {
@@ -260,10 +266,8 @@ async fn on_message(
         SeqCheck::Restarted if replayed.is_some_and(|(a, b)| (a..=b).contains(&seq)) => return,
         SeqCheck::Restarted => {
             *replayed = None;
-            m.restarts.inc();
             tracing::info!(backend = %src.name, seq, "engine restarted: its cached blocks are forgotten");
-            lock(index).restarted(src.id);
-            src.policy.forget(src.id);
+            forget_restarted(src, index, m);
             if seq > 0 {
                 m.gaps.inc();
                 catch_up(src, index, m, 0, Some(seq)).await;
