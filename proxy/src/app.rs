@@ -88,6 +88,10 @@ pub struct PoolPlan {
     pub borrowable: Vec<bool>,
     /// A borrowed backend is used below this fraction of its cap.
     pub borrow_below: f64,
+    /// `members` for admission: what its waiting requests hold back from those behind them.
+    pub claim: crate::admission::Reach,
+    /// `members` or `borrowable`: the replicas whose releases wake its waiting requests.
+    pub reach: crate::admission::Reach,
 }
 
 impl PoolPlan {
@@ -107,10 +111,15 @@ impl PoolPlan {
                     .flat_map(|o| o.backends.iter().cloned())
                     .filter(|b| !p.backends.contains(b))
                     .collect();
+                let members = mask(&p.backends);
+                let borrowable = mask(&borrowed);
+                let reach = members.iter().zip(&borrowable).map(|(m, b)| *m || *b);
                 Self {
                     name: p.name.clone(),
-                    members: mask(&p.backends),
-                    borrowable: mask(&borrowed),
+                    claim: members.as_slice().into(),
+                    reach: reach.collect(),
+                    members,
+                    borrowable,
                     borrow_below: p.borrow_below,
                 }
             })

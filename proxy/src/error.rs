@@ -38,6 +38,9 @@ pub enum ErrorKind {
     QueueFull,
     /// The request waited at the proxy until its class's deadline.
     QueueTimeout,
+    /// The request was still waiting at the proxy when its shutdown's grace period ended (it was
+    /// never sent to a replica).
+    ShuttingDown,
 }
 
 /// A failure with its cause; `retryable` says whether another replica may be tried.
@@ -100,7 +103,7 @@ impl ProxyError {
             ErrorKind::UpstreamConnect | ErrorKind::UpstreamReset => 502,
             ErrorKind::UpstreamTimeout => 504,
             ErrorKind::QueueFull => 429,
-            ErrorKind::QueueTimeout => 503,
+            ErrorKind::QueueTimeout | ErrorKind::ShuttingDown => 503,
         }
     }
 
@@ -114,6 +117,7 @@ impl ProxyError {
                     | ErrorKind::UpstreamReset
                     | ErrorKind::QueueFull
                     | ErrorKind::QueueTimeout
+                    | ErrorKind::ShuttingDown
                     | ErrorKind::RateLimited
             )
             .then_some(1)
@@ -139,6 +143,7 @@ impl ProxyError {
             ErrorKind::UpstreamTimeout => "upstream_timeout",
             ErrorKind::QueueFull => "queue_full",
             ErrorKind::QueueTimeout => "queue_timeout",
+            ErrorKind::ShuttingDown => "shutting_down",
         }
     }
 

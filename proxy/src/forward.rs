@@ -283,6 +283,7 @@ impl Headroom {
             let (pick, _permit) = match (&self.admission, out.record) {
                 (Some(admission), true) => {
                     let class = self.cfg.classes.get(&ctx.class);
+                    let plan = self.pool_plan(&ctx.pool);
                     let ask = Ask {
                         class: &ctx.class,
                         priority: class.map_or(0, |c| c.priority),
@@ -295,10 +296,11 @@ impl Headroom {
                                 // No engine serves more than u32::MAX tokens of output.
                                 m.clamp(0, i64::from(u32::MAX)) as u64
                             }),
+                        claim: plan.claim.clone(),
+                        reach: plan.reach.clone(),
                     };
                     let mut chosen = None;
                     let acquired = {
-                        let plan = self.pool_plan(&ctx.pool);
                         let pick = |room: &[Room]| {
                             let route_start = Instant::now();
                             let look = self.look(out.model);
@@ -335,8 +337,17 @@ impl Headroom {
                                 None => AdmissionPick::NoRoom,
                             })
                         };
+                        let _waiting = self.lifecycle.waiting_for_admission();
                         tokio::select! {
+                            biased;
                             r = admission.acquire(&ask, pick) => r,
+                            _ = self.lifecycle.queue_closed() => {
+                                return Err(ProxyError::new(
+                                    ErrorKind::ShuttingDown,
+                                    "the proxy is shutting down; this request was not sent to any replica, so it is safe to retry",
+                                )
+                                .with_retry_after(1));
+                            }
                             _ = session.as_downstream_mut().read_body_or_idle(true) => {
                                 self.metrics
                                     .client_aborts

@@ -6,6 +6,7 @@
 //! | serving | accepting | 200 | kept | at SIGTERM |
 //! | announcing | accepting (no request refused) | 503 `draining` | closed after each response | after `shutdown.drain_ms` |
 //! | finishing | closed | 503 | closed | when no request is open, or after `shutdown.grace_ms` |
+//! | closing | closed | 503 | closed | requests still queued (never sent to a replica) are answered 503 `shutting_down` with `Retry-After`; then the rest are cut |
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -17,6 +18,10 @@ use tokio::sync::Notify;
 #[derive(Debug)]
 pub struct Lifecycle {
     draining: AtomicBool,
+    queue_closed: AtomicBool,
+    queue_closing: Notify,
+    /// Requests waiting for admission now.
+    waiting: std::sync::atomic::AtomicI64,
     open: IntGauge,
     closed: Notify,
 }
@@ -26,6 +31,9 @@ impl Lifecycle {
     pub fn new(open: IntGauge) -> Arc<Self> {
         Arc::new(Self {
             draining: AtomicBool::new(false),
+            queue_closed: AtomicBool::new(false),
+            queue_closing: Notify::new(),
+            waiting: std::sync::atomic::AtomicI64::new(0),
             open,
             closed: Notify::new(),
         })
@@ -41,6 +49,24 @@ impl Lifecycle {
         self.draining.store(true, Ordering::Release);
     }
 
+    /// Ends the wait of every request queued at the proxy, now and from now on (see
+    /// [`Self::queue_closed`]).
+    pub fn close_queue(&self) {
+        self.queue_closed.store(true, Ordering::Release);
+        self.queue_closing.notify_waiters();
+    }
+
+    /// Resolves once the queue is closed: a request waiting for admission then stops waiting.
+    pub async fn queue_closed(&self) {
+        loop {
+            let woken = self.queue_closing.notified();
+            if self.queue_closed.load(Ordering::Acquire) {
+                return;
+            }
+            woken.await;
+        }
+    }
+
     /// Requests open at the proxy (read, queued, forwarded or being relayed).
     pub fn open(&self) -> i64 {
         self.open.get()
@@ -54,13 +80,39 @@ impl Lifecycle {
 
     /// Waits until no request is open.
     pub async fn all_closed(&self) {
+        self.open_at_most(0).await;
+    }
+
+    /// Waits until at most `n` requests are open.
+    pub async fn open_at_most(&self, n: i64) {
         loop {
             let woken = self.closed.notified();
-            if self.open.get() <= 0 {
+            if self.open.get() <= n {
                 return;
             }
             woken.await;
         }
+    }
+
+    /// Counts a request waiting for admission until the guard is dropped.
+    pub fn waiting_for_admission(self: &Arc<Self>) -> Waiting {
+        self.waiting.fetch_add(1, Ordering::AcqRel);
+        Waiting(self.clone())
+    }
+
+    /// Requests waiting for admission now.
+    pub fn waiting(&self) -> i64 {
+        self.waiting.load(Ordering::Acquire)
+    }
+}
+
+/// One request waiting for admission; dropping it ends the wait.
+#[derive(Debug)]
+pub struct Waiting(Arc<Lifecycle>);
+
+impl Drop for Waiting {
+    fn drop(&mut self) {
+        self.0.waiting.fetch_sub(1, Ordering::AcqRel);
     }
 }
 
@@ -71,9 +123,7 @@ pub struct OpenRequest(Arc<Lifecycle>);
 impl Drop for OpenRequest {
     fn drop(&mut self) {
         self.0.open.dec();
-        if self.0.open.get() <= 0 {
-            self.0.closed.notify_waiters();
-        }
+        self.0.closed.notify_waiters();
     }
 }
 

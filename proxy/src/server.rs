@@ -189,7 +189,24 @@ impl ServeHandle {
         tracing::info!(open = self.lifecycle.open(), "draining: stopped listening");
         let left = match tokio::time::timeout(grace, self.lifecycle.all_closed()).await {
             Ok(()) => 0,
-            Err(_) => self.lifecycle.open(),
+            Err(_) => {
+                // Requests still queued were never sent: they are answered (503, retry
+                // elsewhere) rather than cut with the rest.
+                let queued = self.lifecycle.waiting();
+                let rest = self.lifecycle.open() - queued;
+                self.lifecycle.close_queue();
+                if queued > 0 {
+                    let answered =
+                        tokio::time::timeout(QUEUE_CLOSE_WAIT, self.lifecycle.open_at_most(rest))
+                            .await;
+                    tracing::info!(
+                        queued,
+                        all_answered = answered.is_ok(),
+                        "draining: requests still queued answered 503 shutting_down"
+                    );
+                }
+                self.lifecycle.open()
+            }
         };
         self.shutdown().await;
         left
@@ -205,6 +222,9 @@ impl ServeHandle {
             .unwrap_or(false)
     }
 }
+
+/// How long a shutdown waits for the requests it took out of the queue to be answered.
+const QUEUE_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// What lives across reloads (the handle's public fields).
 struct Shared {

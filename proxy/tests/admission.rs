@@ -395,3 +395,39 @@ async fn pools_keep_classes_on_their_replicas_and_batch_borrows_idle_interactive
     a.shutdown().await.unwrap();
     b.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_shutdown_answers_the_requests_still_queued_instead_of_cutting_them() {
+    let replica = common::sim(30, 20, &[]).await;
+    let h = proxy(replica.url()).await;
+    let addr = h.addr;
+    let admission = h.admission().unwrap();
+    // One ~10 s stream holds the only slot; three more wait for it.
+    let long = tokio::spawn(send(addr, "interactive", 500));
+    for _ in 0..500 {
+        if admission.slots().iter().any(|(_, admitted)| *admitted == 1) {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    let queued: Vec<_> = (0..3)
+        .map(|_| tokio::spawn(send(addr, "interactive", 5)))
+        .collect();
+    for _ in 0..500 {
+        if admission.queued().values().sum::<usize>() == 3 {
+            break;
+        }
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    assert_eq!(admission.queued().values().sum::<usize>(), 3);
+    // The grace period ends with the stream still open: it is cut, the queued ones are answered.
+    let left = h
+        .drain(Duration::from_millis(50), Duration::from_millis(300))
+        .await;
+    assert_eq!(left, 1);
+    for q in queued {
+        let (status, retry_after, _) = q.await.unwrap();
+        assert_eq!((status, retry_after.as_deref()), (503, Some("1")));
+    }
+    long.abort();
+}

@@ -6,17 +6,25 @@
 //! room(r, req):    in_flight_r < cap_r, and (token budget on) tokens_r + tokens(req) ≤ budget_r
 //!                  or nothing in flight on r (a request alone is always admitted);
 //!                  tokens(req) = prompt + max_tokens (512 when unset), budget_r = headroom · KV_r
-//! acquire(class):  some replica has room and nobody of equal or higher priority waits
-//!                    → the routing policy picks among replicas with room → a Permit
+//! claim(req):      its pool's own replicas; reach(req): those and the ones it may borrow
+//! acquire(class):  the routing policy picks among the replicas with room that no waiter of
+//!                  equal or higher priority claims → a Permit
 //!                  else queue full  → Refused(queue_full, 429)
 //!                  else wait, woken when a permit is released or a cap rises; at the deadline
 //!                       → Refused(queue_timeout, 503)
-//! Permit::drop:    the replica's count falls and the next waiter is woken: the first of the highest
-//!                  priority, or, once that one has waited longer than lifo_after, the newest of
-//!                  that priority (adaptive LIFO: under overload the requests with the most time
-//!                  left are served and the oldest time out, instead of every request waiting
-//!                  nearly its whole deadline)
+//! Permit::drop:    the replica's count falls and the next waiter is woken: among the waiters
+//!                  whose reach has a replica with room, the first of the highest priority, or,
+//!                  once that one has waited longer than lifo_after, the newest of that priority
+//!                  (adaptive LIFO: under overload the requests with the most time left are served
+//!                  and the oldest time out, instead of every request waiting nearly its whole
+//!                  deadline)
 //! ```
+//!
+//! Pools share one queue, but a waiter holds back only the requests that would take a slot on
+//! its own pool's replicas: a batch request does not wait behind an interactive one when their
+//! pools have no replica in common, and a release wakes a waiter whose reach it is in. A woken
+//! waiter that cannot use any slot of its own pool passes the wake on to those behind it; one that
+//! has such a slot but does not fit it (the token budget) keeps its place at the head, as before.
 //!
 //! The counts are the proxy's own (dispatch decisions cannot wait for scraped metrics), and the
 //! permit is a guard: however the request ends, dropping it releases the slot.
@@ -47,6 +55,15 @@ type WaitKey = (std::cmp::Reverse<i32>, u64);
 struct Waiter {
     tx: oneshot::Sender<()>,
     since: tokio::time::Instant,
+    claim: Reach,
+    reach: Reach,
+}
+
+/// A set of replicas, by replica id; empty: every replica.
+pub type Reach = Arc<[bool]>;
+
+fn reaches(reach: &[bool], b: usize) -> bool {
+    reach.is_empty() || reach.get(b).copied().unwrap_or(false)
 }
 
 #[derive(Debug)]
@@ -93,6 +110,12 @@ impl Slot {
     fn release(&mut self, tokens: u64) {
         self.in_flight = self.in_flight.saturating_sub(1);
         self.tokens = self.tokens.saturating_sub(tokens);
+    }
+
+    /// Whether one more request could be admitted here now (by the cap, and by the token
+    /// budget for the smallest request).
+    fn open(&self) -> bool {
+        self.cap.fits(self.in_flight) && self.tokens_fit(1)
     }
 
     /// Whether a request of `tokens` fits the token budget (one alone always does).
@@ -145,7 +168,7 @@ fn carry_on(mut next: Option<(Arc<Admission>, usize)>, taken: bool, tokens: u64)
             g.slots[b].take(tokens);
         } else {
             g.slots[b].release(tokens);
-            wake_first(&mut g, 1);
+            wake(&mut g, 1, None);
         }
         next = g.onward(b);
     }
@@ -175,32 +198,86 @@ impl Drop for Permit {
             g.done_rate = 0.9 * g.done_rate + 0.1 / dt;
         }
         g.last_done = Some(now);
-        wake_first(&mut g, 1);
+        wake(&mut g, 1, None);
         let onward = g.onward(self.backend);
         drop(g);
         carry_on(onward, false, self.tokens);
     }
 }
 
-fn wake_first(g: &mut Inner, n: usize) {
+/// Wakes up to `n` waiters that could use a replica with room now (behind `after` only, when
+/// given: a wake passed on): the first of the highest priority, or the newest of that priority
+/// once the first has waited longer than `lifo_after`.
+fn wake(g: &mut Inner, n: usize, after: Option<WaitKey>) {
+    use std::ops::Bound::{Excluded, Unbounded};
     for _ in 0..n {
-        let Some((&head, first)) = g.waiters.first_key_value() else {
+        let Inner {
+            slots,
+            waiters,
+            lifo_after,
+            ..
+        } = &mut *g;
+        if !slots.iter().any(Slot::open) {
+            return;
+        }
+        // Waiters of one pool share their reach: it is checked once per run of them.
+        let mut last: Option<(*const bool, bool)> = None;
+        let mut can_use = |w: &Waiter| {
+            let ptr = w.reach.as_ptr();
+            match last {
+                Some((p, ok)) if p == ptr => ok,
+                _ => {
+                    let ok = slots
+                        .iter()
+                        .enumerate()
+                        .any(|(b, s)| reaches(&w.reach, b) && s.open());
+                    last = Some((ptr, ok));
+                    ok
+                }
+            }
+        };
+        let start = after.map_or(Unbounded, Excluded);
+        let Some((&first, w)) = waiters.range((start, Unbounded)).find(|(_, w)| can_use(w)) else {
             return;
         };
-        let key = if first.since.elapsed() > g.lifo_after {
-            let priority = head.0;
-            g.waiters
+        let key = if after.is_none() && w.since.elapsed() > *lifo_after {
+            let priority = first.0;
+            waiters
                 .range((priority, 0)..=(priority, u64::MAX))
-                .next_back()
-                .map_or(head, |(k, _)| *k)
+                .rev()
+                .find(|(_, w)| can_use(w))
+                .map_or(first, |(k, _)| *k)
         } else {
-            head
+            first
         };
-        if let Some(w) = g.waiters.remove(&key) {
-            // A waiter that timed out meanwhile passes the wake on (see `acquire`).
+        if let Some(w) = waiters.remove(&key) {
+            // A waiter that timed out meanwhile passes the wake on (see `QueueEntry`).
             let _ = w.tx.send(());
         }
     }
+}
+
+/// Which replicas a waiter of `priority` or higher claims (all false: none waits).
+fn contested(g: &Inner, priority: i32) -> Vec<bool> {
+    let mut taken = vec![false; g.slots.len()];
+    let mut last: Option<*const bool> = None;
+    for w in g
+        .waiters
+        .range(..=(std::cmp::Reverse(priority), u64::MAX))
+        .map(|(_, w)| w)
+    {
+        if last == Some(w.claim.as_ptr()) {
+            continue;
+        }
+        last = Some(w.claim.as_ptr());
+        for (b, t) in taken.iter_mut().enumerate() {
+            *t |= reaches(&w.claim, b);
+        }
+        if taken.iter().all(|t| *t) {
+            break;
+        }
+    }
+    taken
 }
 
 /// What a request is admitted as.
@@ -216,6 +293,10 @@ pub struct Ask<'a> {
     pub timeout: Duration,
     /// Prompt + output tokens it may come to (the token budget's unit).
     pub tokens: u64,
+    /// Its pool's own replicas: what it holds back from requests behind it while it waits.
+    pub claim: Reach,
+    /// Those and the replicas it may borrow: where a release wakes it.
+    pub reach: Reach,
 }
 
 /// One replica's admission state, as a pick sees it.
@@ -300,50 +381,68 @@ impl Admission {
         loop {
             let rx = {
                 let mut g = self.lock();
-                // A woken waiter was chosen by the releaser; a newcomer goes first only past
-                // everyone of its priority or lower.
-                let first_in_line = woken
-                    || g.waiters
-                        .first_key_value()
-                        .is_none_or(|(head, _)| head.0 > std::cmp::Reverse(ask.priority));
-                if first_in_line {
-                    let room: Vec<Room> = g
-                        .slots
-                        .iter_mut()
-                        .map(|s| Room {
-                            free: s.cap.has_room(s.in_flight) && s.tokens_fit(ask.tokens),
+                // A woken waiter was chosen by the releaser; anyone else takes no slot that a
+                // waiter of its priority or higher could use.
+                let held_back = if woken || g.waiters.is_empty() {
+                    None
+                } else {
+                    Some(contested(&g, ask.priority))
+                };
+                let mut passed_over = false;
+                let room: Vec<Room> = g
+                    .slots
+                    .iter_mut()
+                    .enumerate()
+                    .map(|(b, s)| {
+                        let mut free = s.cap.has_room(s.in_flight) && s.tokens_fit(ask.tokens);
+                        if free && held_back.as_ref().is_some_and(|h| h[b]) {
+                            free = false;
+                            passed_over = true;
+                        }
+                        Room {
+                            free,
                             in_flight: s.in_flight,
                             cap: s.cap.cap(),
-                        })
-                        .collect();
-                    match pick(&room) {
-                        Err(e) => return Err(Err(e)),
-                        Ok(Pick::Backend(b)) => {
-                            g.slots[b].take(ask.tokens);
-                            if let Some(mut e) = entry.take() {
-                                // Left the queue here, under the lock already held.
-                                e.armed = false;
-                                release_queue_entry(&mut g, ask.class);
-                                // Others may fit where this one did not.
-                                let free = g
-                                    .slots
-                                    .iter()
-                                    .any(|s| s.cap.fits(s.in_flight) && s.tokens_fit(1));
-                                if free {
-                                    wake_first(&mut g, 1);
-                                }
-                            }
-                            let onward = g.onward(b);
-                            drop(g);
-                            carry_on(onward, true, ask.tokens);
-                            return Ok(Permit {
-                                admission: self.clone(),
-                                backend: b,
-                                tokens: ask.tokens,
-                            });
                         }
-                        Ok(Pick::NoRoom) => {}
+                    })
+                    .collect();
+                match pick(&room) {
+                    Err(e) => return Err(Err(e)),
+                    Ok(Pick::Backend(b)) => {
+                        g.slots[b].take(ask.tokens);
+                        if let Some(mut e) = entry.take() {
+                            // Left the queue here, under the lock already held.
+                            e.armed = false;
+                            release_queue_entry(&mut g, ask.class);
+                            // Others may fit where this one did not.
+                            wake(&mut g, 1, None);
+                        }
+                        let onward = g.onward(b);
+                        drop(g);
+                        carry_on(onward, true, ask.tokens);
+                        return Ok(Permit {
+                            admission: self.clone(),
+                            backend: b,
+                            tokens: ask.tokens,
+                        });
                     }
+                    Ok(Pick::NoRoom) => {}
+                }
+                let own_open = g
+                    .slots
+                    .iter()
+                    .enumerate()
+                    .any(|(b, s)| reaches(&ask.claim, b) && s.open());
+                if woken && !own_open {
+                    // Woken for a slot this request cannot use (a borrowed one above its floor,
+                    // or one taken meanwhile): the wake goes on to those behind it.
+                    if let Some(e) = &entry {
+                        wake(&mut g, 1, Some(e.key));
+                    }
+                } else if passed_over {
+                    // A slot it could have taken is left to a waiter ahead of it: make sure one
+                    // is coming for it.
+                    wake(&mut g, 1, None);
                 }
                 let k = match &entry {
                     Some(e) => e.key,
@@ -370,6 +469,8 @@ impl Admission {
                     Waiter {
                         tx,
                         since: tokio::time::Instant::now(),
+                        claim: ask.claim.clone(),
+                        reach: ask.reach.clone(),
                     },
                 );
                 rx
@@ -400,7 +501,7 @@ impl Admission {
         let before = slot.cap.cap();
         let change = slot.cap.on_feedback(f);
         if let (Change::Raised, Some(b), Some(a)) = (change, before, slot.cap.cap()) {
-            wake_first(&mut g, (a - b) as usize);
+            wake(&mut g, (a - b) as usize, None);
         }
         change
     }
@@ -412,7 +513,7 @@ impl Admission {
             let grew = budget.is_none_or(|b| s.token_budget.is_some_and(|old| b > old));
             s.token_budget = budget;
             if grew {
-                wake_first(&mut g, 1);
+                wake(&mut g, 1, None);
             }
         }
     }
@@ -468,7 +569,7 @@ impl Admission {
             (Some(b), Some(a)) if a > b => (a - b) as usize,
             _ => 0,
         };
-        wake_first(&mut g, woken);
+        wake(&mut g, woken, None);
         change
     }
 
@@ -549,7 +650,7 @@ impl Drop for QueueEntry<'_> {
         let mut g = self.admission.lock();
         if g.waiters.remove(&self.key).is_none() {
             // Woken, but leaving: the wake goes to the next waiter.
-            wake_first(&mut g, 1);
+            wake(&mut g, 1, None);
         }
         release_queue_entry(&mut g, self.class);
     }
@@ -584,6 +685,8 @@ mod tests {
             max_queue: 2,
             timeout: Duration::from_secs(5),
             tokens: 100,
+            claim: Reach::from([]),
+            reach: Reach::from([]),
         }
     }
 
@@ -593,6 +696,105 @@ mod tests {
             .iter()
             .position(|r| r.free)
             .map_or(Pick::NoRoom, Pick::Backend))
+    }
+
+    /// A request of `class` and `priority` in a pool of `claim`, borrowing the rest of `reach`.
+    fn pooled(class: &str, priority: i32, claim: &[bool], reach: &[bool]) -> Ask<'static> {
+        Ask {
+            class: if class == "interactive" {
+                "interactive"
+            } else {
+                "batch"
+            },
+            priority,
+            max_queue: 8,
+            timeout: Duration::from_secs(5),
+            tokens: 100,
+            claim: Reach::from(claim),
+            reach: Reach::from(reach),
+        }
+    }
+
+    /// Picks the first replica with room among `allowed`.
+    fn first_of(allowed: &'static [bool]) -> impl FnMut(&[Room]) -> Result<Pick, ()> {
+        move |room: &[Room]| {
+            Ok(room
+                .iter()
+                .zip(allowed)
+                .position(|(r, ok)| r.free && *ok)
+                .map_or(Pick::NoRoom, Pick::Backend))
+        }
+    }
+
+    const A: &[bool] = &[true, false];
+    const B: &[bool] = &[false, true];
+    const BOTH: &[bool] = &[true, true];
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_holds_back_only_requests_for_its_own_pools_replicas() {
+        // Pool A is replica 0, pool B replica 1, one slot each.
+        let a = admission(2, 1);
+        let held_a = a
+            .acquire(&pooled("interactive", 10, A, A), first_of(A))
+            .await
+            .unwrap();
+        let a2 = a.clone();
+        let waiting_a = tokio::spawn(async move {
+            a2.acquire(&pooled("interactive", 10, A, A), first_of(A))
+                .await
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().get("interactive"), Some(&1));
+        // A lower-priority request of pool B is not held back by the waiter of pool A.
+        let held_b = a
+            .acquire(&pooled("batch", -10, B, B), first_of(B))
+            .await
+            .unwrap();
+        assert_eq!(held_b.backend, 1);
+        // Pool B's next request waits; releasing pool B's replica wakes it, not pool A's waiter,
+        // which stays queued for its own replica.
+        let a3 = a.clone();
+        let waiting_b =
+            tokio::spawn(async move { a3.acquire(&pooled("batch", -10, B, B), first_of(B)).await });
+        tokio::task::yield_now().await;
+        drop(held_b);
+        let got_b = waiting_b.await.unwrap().unwrap();
+        assert_eq!(got_b.backend, 1);
+        assert!(!waiting_a.is_finished());
+        drop(held_a);
+        assert_eq!(waiting_a.await.unwrap().unwrap().backend, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_borrower_that_cannot_use_a_released_slot_passes_the_wake_on() {
+        let a = admission(2, 1);
+        let held_a = a
+            .acquire(&pooled("interactive", 10, A, A), first_of(A))
+            .await
+            .unwrap();
+        let held_b = a
+            .acquire(&pooled("batch", 0, B, B), first_of(B))
+            .await
+            .unwrap();
+        // Pool A may borrow replica 1, but its pick declines it (as above a borrow floor);
+        // pool B's own request waits behind it at a lower priority.
+        let a2 = a.clone();
+        let borrower = tokio::spawn(async move {
+            a2.acquire(&pooled("interactive", 10, A, BOTH), first_of(A))
+                .await
+        });
+        tokio::task::yield_now().await;
+        let a3 = a.clone();
+        let own =
+            tokio::spawn(async move { a3.acquire(&pooled("batch", 0, B, B), first_of(B)).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 2);
+        // Replica 1 frees: the borrower is woken first, cannot use it, and hands the wake on.
+        drop(held_b);
+        assert_eq!(own.await.unwrap().unwrap().backend, 1);
+        assert!(!borrower.is_finished());
+        drop(held_a);
+        assert_eq!(borrower.await.unwrap().unwrap().backend, 0);
     }
 
     #[tokio::test(start_paused = true)]
