@@ -16,6 +16,7 @@ use sha2::Digest;
 
 use crate::analysis;
 use crate::contracts::{Contract, synthesize};
+use crate::outputs;
 use crate::pages;
 use crate::replay::{self, Arrivals, Counters, ReplayOptions};
 use crate::report::{self, Dist, RequestRow, Slo, Summary};
@@ -160,6 +161,7 @@ fn write_trace(path: &Path, records: &[TraceRecord]) -> anyhow::Result<()> {
 pub fn run_trace(cmd: TraceCommand) -> anyhow::Result<()> {
     match cmd {
         TraceCommand::Import(a) => {
+            outputs::not_an_input(&a.output, &[&a.input])?;
             let mut records = read_trace(&a.input, Some(a.format))?;
             if let Some(n) = a.max_requests {
                 records.truncate(n);
@@ -386,11 +388,70 @@ impl ReplayArgs {
 
 fn parse_shard(s: &str) -> anyhow::Result<(usize, usize)> {
     let (i, n) = s.split_once('/').context("--shard is i/n, e.g. 0/4")?;
-    let (i, n): (usize, usize) = (i.trim().parse()?, n.trim().parse()?);
+    let number = |x: &str| {
+        x.trim().parse::<usize>().with_context(|| {
+            format!("--shard {s}: {x:?} is not a whole number (the form is i/n, e.g. 0/4)")
+        })
+    };
+    let (i, n) = (number(i)?, number(n)?);
     if n == 0 || i >= n {
         bail!("--shard {s}: need 0 <= i < n");
     }
     Ok((i, n))
+}
+
+/// Refuses results that are not distinct shards of one split of a trace (a request in two of
+/// them, or shards of different counts), and warns when shards are missing.
+fn check_shards(docs: &[Value], paths: &[PathBuf], rows: &[RequestRow]) -> anyhow::Result<()> {
+    let mut shards: Vec<(usize, usize, &Path)> = Vec::new();
+    for (doc, path) in docs.iter().zip(paths) {
+        if let Some(spec) = doc["contract"]["trace"]["shard"].as_str() {
+            let (i, n) =
+                parse_shard(spec).with_context(|| format!("reading {}", path.display()))?;
+            shards.push((i, n, path));
+        }
+    }
+    if let Some(&(_, n, first)) = shards.first() {
+        if let Some((_, m, other)) = shards.iter().find(|s| s.1 != n) {
+            bail!(
+                "{} is a shard of {n} and {} a shard of {m}: shards of one run split the trace alike",
+                first.display(),
+                other.display()
+            );
+        }
+    }
+    let mut seen = std::collections::HashMap::new();
+    for (doc, path) in docs.iter().zip(paths) {
+        for index in doc["requests"]
+            .as_array()
+            .into_iter()
+            .flatten()
+            .filter_map(|r| r["index"].as_u64())
+        {
+            if let Some(before) = seen.insert(index, path) {
+                bail!(
+                    "trace row {index} is in both {} and {}: the same shard given twice, or overlapping shards",
+                    before.display(),
+                    path.display()
+                );
+            }
+        }
+    }
+    if let Some(&(_, n, _)) = shards.first() {
+        let have: std::collections::BTreeSet<usize> = shards.iter().map(|s| s.0).collect();
+        let missing: Vec<String> = (0..n)
+            .filter(|i| !have.contains(i))
+            .map(|i| format!("{i}/{n}"))
+            .collect();
+        if !missing.is_empty() {
+            eprintln!(
+                "headroom report merge: WARNING: shards {} are missing; the merged result holds {} requests, not the whole trace",
+                missing.join(", "),
+                rows.len()
+            );
+        }
+    }
+    Ok(())
 }
 
 async fn get_json(client: &reqwest::Client, url: &str) -> Option<Value> {
@@ -424,6 +485,12 @@ async fn metrics_text(client: &reqwest::Client, base: &str) -> Option<String> {
         .ok()
 }
 
+/// The longest run or wait a replay accepts.
+const A_YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
+
+/// The longest prompt a replay builds, whatever the target says it takes.
+const MAX_PROMPT_TOKENS: u64 = 10_000_000;
+
 /// Runs `headroom replay`; returns the path of the result JSON.
 pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
     run_replay_counted(a, Arc::default()).await
@@ -444,8 +511,8 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         ("--sweep-duration", Some(a.sweep_duration)),
     ] {
         if let Some(v) = v {
-            if !(v.is_finite() && v > 0.0) {
-                bail!("{name} must be a positive number of seconds, got {v}");
+            if !(v.is_finite() && v > 0.0 && v <= A_YEAR.as_secs_f64()) {
+                bail!("{name} must be a positive number of seconds, at most a year, got {v:?}");
             }
         }
     }
@@ -468,6 +535,20 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     // A shard keeps its rows of the whole trace with the times the whole run would give them, so
     // n load generators together send exactly the contracted load.
     let global_plan = replay::schedule(&records, &arrivals, a.seed);
+    let span = global_plan
+        .as_ref()
+        .and_then(|p| p.iter().max().copied())
+        .unwrap_or_default();
+    if a.duration.is_none() && span > A_YEAR {
+        bail!(
+            "the schedule would send its last request {} after the first (more than a year): check --rate, --time-scale and the trace's timestamps, or bound the run with --duration",
+            if span == Duration::MAX {
+                "too long to count".to_owned()
+            } else {
+                format!("{:.0} s", span.as_secs_f64())
+            }
+        );
+    }
     let rows: Vec<usize> = match shard {
         Some((i, n)) => (0..records.len()).filter(|k| k % n == i).collect(),
         None => (0..records.len()).collect(),
@@ -498,6 +579,42 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
             .as_str()
             .map(str::to_owned)
     });
+    // A prompt is built whole in memory before it is sent: one longer than the target takes is
+    // refused here, before any load, not found out by the engine (or the allocator).
+    let max_model_len = models.as_ref().and_then(|m| {
+        m["data"].as_array()?.iter().find_map(|c| {
+            (model.as_deref().is_none_or(|id| c["id"] == id))
+                .then(|| c["max_model_len"].as_u64())?
+        })
+    });
+    let limit = max_model_len
+        .unwrap_or(MAX_PROMPT_TOKENS)
+        .min(MAX_PROMPT_TOKENS);
+    if let Some(r) = records.iter().find(|r| u64::from(r.input_length) > limit) {
+        let n = records
+            .iter()
+            .filter(|r| u64::from(r.input_length) > limit)
+            .count();
+        bail!(
+            "{n} request(s) of {} have prompts longer than {} tokens (the first: {} tokens at timestamp {}): {}",
+            a.trace.display(),
+            limit,
+            r.input_length,
+            r.timestamp,
+            if max_model_len.is_some_and(|m| m <= MAX_PROMPT_TOKENS) {
+                "the target's max_model_len; leave them out of the trace"
+            } else {
+                "the most a replay builds"
+            }
+        );
+    }
+    // Before any load: a run's results must not be lost at its end for want of a place to go.
+    let files: &[&str] = if a.sweep.is_some() {
+        &["sweep.json", "sweep.html", "sweep.txt"]
+    } else {
+        &["result.json", "requests.csv", "report.html", "summary.txt"]
+    };
+    outputs::out_dir(&a.out, files, &[&a.trace])?;
     let behind = !a.observe.is_empty();
     let observed: Vec<String> = if behind {
         a.observe
@@ -626,9 +743,9 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     let result_path = a.out.join("result.json");
     let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "client_stalls": stalls,
         "itl_buckets": report::itl_buckets(&results), "requests": rows});
-    std::fs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
-    std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
-    std::fs::write(a.out.join("report.html"), pages::replay_page(&doc)?)?;
+    outputs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
+    outputs::write(&a.out.join("requests.csv"), report::to_csv(&rows))?;
+    outputs::write(&a.out.join("report.html"), pages::replay_page(&doc)?)?;
     let mut text = report::to_text(&summary);
     text.push_str(&stalls.line());
     text.push('\n');
@@ -653,7 +770,7 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
             }
         }
     }
-    std::fs::write(a.out.join("summary.txt"), &text)?;
+    outputs::write(&a.out.join("summary.txt"), &text)?;
     if !a.quiet {
         print!("{text}");
         eprintln!("headroom replay: results in {}", a.out.display());
@@ -809,8 +926,8 @@ async fn run_sweep(
     });
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let path = a.out.join("sweep.json");
-    std::fs::write(&path, serde_json::to_string_pretty(&doc)?)?;
-    std::fs::write(a.out.join("sweep.html"), pages::sweep_page(&doc)?)?;
+    outputs::write(&path, serde_json::to_string_pretty(&doc)?)?;
+    outputs::write(&a.out.join("sweep.html"), pages::sweep_page(&doc)?)?;
     let mut text = format!(
         "{:>12} {:>9} {:>12} {:>10} {:>10} {:>10}\n",
         sweep.load, "req/s", "out tok/s", "TTFT p50", "TTFT p99", "TPOT p99"
@@ -829,7 +946,7 @@ async fn run_sweep(
         text.push_str(&line);
         text.push('\n');
     }
-    std::fs::write(a.out.join("sweep.txt"), &text)?;
+    outputs::write(&a.out.join("sweep.txt"), &text)?;
     print!("{text}");
     eprintln!("headroom replay: sweep results in {}", a.out.display());
     Ok(path)
@@ -1044,6 +1161,11 @@ fn read_json(path: &Path) -> anyhow::Result<Value> {
 pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
     match cmd {
         ReportCommand::Tail(a) => {
+            outputs::out_dir(
+                &a.out,
+                &["tail.txt", "tail.json", "tail.csv", "tail.html"],
+                &[&a.trace],
+            )?;
             let is_result = a.trace.extension().is_some_and(|e| e == "json");
             let points: Vec<analysis::TailPoint> = if is_result {
                 let doc = read_json(&a.trace)?;
@@ -1063,13 +1185,12 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 bail!("{} holds no requests", a.trace.display());
             }
             let t = analysis::tail_report(&points);
-            std::fs::create_dir_all(&a.out)?;
             let text = analysis::tail_text(&t);
-            std::fs::write(a.out.join("tail.txt"), &text)?;
-            std::fs::write(a.out.join("tail.json"), serde_json::to_string_pretty(&t)?)?;
-            std::fs::write(a.out.join("tail.csv"), analysis::tail_csv(&t))?;
-            std::fs::write(
-                a.out.join("tail.html"),
+            outputs::write(&a.out.join("tail.txt"), &text)?;
+            outputs::write(&a.out.join("tail.json"), serde_json::to_string_pretty(&t)?)?;
+            outputs::write(&a.out.join("tail.csv"), analysis::tail_csv(&t))?;
+            outputs::write(
+                &a.out.join("tail.html"),
                 analysis::tail_page(&t, &a.trace.display().to_string()),
             )?;
             print!("{text}");
@@ -1098,6 +1219,12 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             print!("{text}");
         }
         ReportCommand::Merge(a) => {
+            let inputs: Vec<&Path> = a.results.iter().map(PathBuf::as_path).collect();
+            outputs::out_dir(
+                &a.out,
+                &["result.json", "requests.csv", "report.html", "summary.txt"],
+                &inputs,
+            )?;
             let docs = a
                 .results
                 .iter()
@@ -1122,6 +1249,7 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                     .with_context(|| format!("{} is not a replay result", path.display()))?;
                 rows.append(&mut part);
             }
+            check_shards(&docs, &a.results, &rows)?;
             rows.sort_by(|x, y| x.sent_ms.total_cmp(&y.sent_ms));
             let slo: Option<Slo> = serde_json::from_value(first["contract"]["slo"].clone())
                 .ok()
@@ -1148,15 +1276,14 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             contract["output_tokens"] = length_stats(rows.iter().map(|r| r.output_length));
             let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "requests": rows,
                              "note": "merged from shards: ITL per chunk is not kept per request, so the merged ITL distribution is empty"});
-            std::fs::create_dir_all(&a.out)?;
-            std::fs::write(
-                a.out.join("result.json"),
+            outputs::write(
+                &a.out.join("result.json"),
                 serde_json::to_string_pretty(&doc)?,
             )?;
-            std::fs::write(a.out.join("requests.csv"), report::to_csv(&rows))?;
-            std::fs::write(a.out.join("report.html"), pages::replay_page(&doc)?)?;
+            outputs::write(&a.out.join("requests.csv"), report::to_csv(&rows))?;
+            outputs::write(&a.out.join("report.html"), pages::replay_page(&doc)?)?;
             let text = report::to_text(&summary);
-            std::fs::write(a.out.join("summary.txt"), &text)?;
+            outputs::write(&a.out.join("summary.txt"), &text)?;
             print!("{text}");
             eprintln!(
                 "headroom report merge: {} shards, {} requests, written to {}",
@@ -1166,16 +1293,21 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             );
         }
         ReportCommand::Html(a) => {
+            outputs::not_an_input(&a.output, &[&a.input])?;
             let doc = read_json(&a.input)?;
             let page = if doc["schema"] == "headroom.sweep.v1" {
                 pages::sweep_page(&doc)?
             } else {
                 pages::replay_page(&doc)?
             };
-            std::fs::write(&a.output, page)
-                .with_context(|| format!("writing {}", a.output.display()))?;
+            outputs::write(&a.output, page)?;
         }
         ReportCommand::Agreement(a) => {
+            if let Some(out) = &a.json {
+                let mut inputs = vec![a.result.as_path(), a.capture.as_path()];
+                inputs.extend(a.stats.as_deref());
+                outputs::not_an_input(out, &inputs)?;
+            }
             let doc = read_json(&a.result)?;
             let rows: Vec<RequestRow> = serde_json::from_value(doc["requests"].clone())
                 .with_context(|| format!("{} is not a replay result", a.result.display()))?;
@@ -1217,8 +1349,7 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             if let Some(path) = a.json {
                 let mut out = serde_json::to_value(&joined)?;
                 out["itl"] = serde_json::to_value(&itl)?;
-                std::fs::write(&path, serde_json::to_string_pretty(&out)?)
-                    .with_context(|| format!("writing {}", path.display()))?;
+                outputs::write(&path, serde_json::to_string_pretty(&out)?)?;
             }
         }
     }
@@ -1299,6 +1430,31 @@ mod tests {
         assert!(SweepSpec::parse("speed:1,2").is_err());
         assert_eq!(parse_shard("1/4").unwrap(), (1, 4));
         assert!(parse_shard("4/4").is_err());
+        let e = parse_shard("a/b").unwrap_err().to_string();
+        assert!(
+            e.contains("--shard a/b") && e.contains("not a whole number"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn merged_shards_must_be_distinct_shards_of_one_split() {
+        let shard = |spec: &str, rows: &[u64]| {
+            json!({"contract": {"trace": {"shard": spec}},
+                   "requests": rows.iter().map(|i| json!({"index": i})).collect::<Vec<_>>()})
+        };
+        let paths: Vec<PathBuf> = ["a", "b"].iter().map(PathBuf::from).collect();
+        let check = |docs: &[Value]| check_shards(docs, &paths, &[]).map_err(|e| e.to_string());
+        assert!(check(&[shard("0/2", &[0, 2]), shard("1/2", &[1, 3])]).is_ok());
+        let twice = check(&[shard("0/2", &[0, 2]), shard("0/2", &[0, 2])]).unwrap_err();
+        assert!(twice.contains("trace row 0 is in both a and b"), "{twice}");
+        let splits = check(&[shard("0/3", &[0, 3]), shard("1/2", &[1])]).unwrap_err();
+        assert!(
+            splits.contains("a shard of 3") && splits.contains("a shard of 2"),
+            "{splits}"
+        );
+        // A missing shard is only a warning.
+        assert!(check(&[shard("0/3", &[0, 3]), shard("1/3", &[1, 4])]).is_ok());
     }
 
     #[test]

@@ -8,6 +8,7 @@ pub mod closed_loop;
 pub mod compare;
 pub mod contracts;
 pub mod html;
+pub mod outputs;
 pub mod pages;
 pub mod replay;
 pub mod report;

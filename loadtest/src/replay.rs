@@ -145,6 +145,12 @@ pub fn body_for(record: &TraceRecord, opts: &ReplayOptions) -> Value {
 }
 
 /// Planned send offsets for open-loop arrivals (None for closed loop).
+/// `s` seconds as a duration; beyond what a duration holds, the longest one (a run that long is
+/// refused by its caller, never waited out).
+fn seconds(s: f64) -> Duration {
+    Duration::try_from_secs_f64(s).unwrap_or(Duration::MAX)
+}
+
 pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Option<Vec<Duration>> {
     match arrivals {
         Arrivals::Trace { time_scale } => {
@@ -152,7 +158,7 @@ pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Opti
             Some(
                 records
                     .iter()
-                    .map(|r| Duration::from_secs_f64((r.timestamp - t0) as f64 / 1e3 * time_scale))
+                    .map(|r| seconds((r.timestamp - t0) as f64 / 1e3 * time_scale))
                     .collect(),
             )
         }
@@ -168,7 +174,7 @@ pub fn schedule(records: &[TraceRecord], arrivals: &Arrivals, seed: u64) -> Opti
                         if i > 0 {
                             t += gamma.sample(&mut rng);
                         }
-                        Duration::from_secs_f64(t)
+                        seconds(t)
                     })
                     .collect(),
             )
@@ -554,6 +560,20 @@ mod tests {
                 ..TraceRecord::default()
             })
             .collect()
+    }
+
+    #[test]
+    fn schedules_beyond_what_a_duration_holds_saturate_instead_of_panicking() {
+        let far = recs(&[0, u64::MAX / 2]);
+        let plan = schedule(&far, &Arrivals::Trace { time_scale: 1e300 }, 1).unwrap();
+        assert_eq!(plan, vec![Duration::ZERO, Duration::MAX]);
+        let slow = Arrivals::Rate {
+            rate: 1e-30,
+            burstiness: 1.0,
+        };
+        let plan = schedule(&recs(&[0, 1, 2]), &slow, 1).unwrap();
+        assert_eq!(plan[0], Duration::ZERO);
+        assert_eq!(plan[2], Duration::MAX);
     }
 
     #[test]
