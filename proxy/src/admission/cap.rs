@@ -10,12 +10,21 @@
 //! per scrape:
 //!   preempting = preemptions rose
 //!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
+//!   queue      = waiting ≥ max(2, running / 10): the engine holds more than arrives between steps
+//!   standing   = queue on this scrape and the one before (the engine cannot take what it holds:
+//!                its sequence limit, max_num_seqs, or its cache)
 //!   preempting, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β·cap⌋)
 //!   warning only, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β_soft·cap⌋)
+//!   standing, no cut in the last `cooldown` scrapes   → cap ← max(min_cap, min(⌊β·cap⌋ or
+//!                                                       ⌊β_soft·cap⌋ as above, ⌈running⌉ + α))
 //!   room       = KV usage or running unknown ∨ usage · (running + α) / running ≤ kv_raise_below
-//!   ¬pressure ∧ room ∧ the cap turned work away since the last scrape
+//!   ¬pressure ∧ ¬queue ∧ room ∧ the cap turned work away since the last scrape
 //!                                                     → cap ← min(max_cap, cap + α)
+//!   a plan that would raise the cap while the engine holds a queue moves the anchor, not the cap
 //! ```
+//!
+//! A standing engine queue is work the proxy should be holding: in its queue it waits in priority
+//! order and can be refused with a `Retry-After`; in the engine's it waits unordered.
 //!
 //! `room` projects the KV usage of α more sequences of the size the running ones have on average:
 //! the cap never probes into the preemption zone to find it, so a workload the derived cap already
@@ -80,6 +89,12 @@ pub struct Feedback {
     pub running: Option<f64>,
 }
 
+/// Whether a scrape found the engine holding a queue of its own: more waiting than arrives
+/// between two of its steps (at least 2, and at least a tenth of what runs).
+fn engine_queue(f: &Feedback) -> bool {
+    matches!((f.waiting, f.running), (Some(w), Some(r)) if w >= (r / 10.0).max(2.0))
+}
+
 /// A new plan within this fraction of the one the cap last followed leaves the cap alone.
 pub const REPLAN_STEP: f64 = 0.1;
 
@@ -104,6 +119,8 @@ pub struct CapController {
     since_cut: u32,
     /// The plan the cap last followed.
     plan: Option<u32>,
+    /// The last scrape found the engine holding a queue.
+    queue: bool,
 }
 
 impl CapController {
@@ -116,6 +133,7 @@ impl CapController {
             last: Feedback::default(),
             since_cut: u32::MAX,
             plan: None,
+            queue: false,
         }
     }
 
@@ -147,6 +165,10 @@ impl CapController {
             return Change::Held;
         };
         let next = bounded((f64::from(cap) * ratio).round() as u32);
+        if next > cap && self.queue {
+            // More fits in the cache, but the engine already holds a queue it cannot run.
+            return Change::Held;
+        }
         self.cap = Some(next);
         match next.cmp(&cap) {
             std::cmp::Ordering::Greater => Change::Raised,
@@ -179,18 +201,25 @@ impl CapController {
             (f.waiting, self.last.waiting),
             (Some(now), Some(before)) if now >= 2.0 && now > before
         );
+        let queue = engine_queue(&f);
+        let standing = queue && engine_queue(&self.last);
+        self.queue = queue;
         self.last = f;
         self.since_cut = self.since_cut.saturating_add(1);
         let binding = std::mem::take(&mut self.binding);
         let Some(cap) = self.cap else {
             return Change::Held;
         };
-        if preempted || full || queueing {
+        if preempted || full || queueing || standing {
             if self.since_cut <= p.cooldown {
                 return Change::Held;
             }
             let beta = if preempted { p.beta } else { p.soft_beta };
-            let cut = ((f64::from(cap) * beta).floor() as u32).max(p.min_cap);
+            let mut cut = (f64::from(cap) * beta).floor() as u32;
+            if let (true, Some(running)) = (standing, f.running) {
+                cut = cut.min(running.ceil() as u32 + p.alpha);
+            }
+            let cut = cut.max(p.min_cap);
             self.since_cut = 0;
             if cut < cap {
                 self.cap = Some(cut);
@@ -204,7 +233,7 @@ impl CapController {
             }
             _ => true,
         };
-        if binding && room && cap < p.max_cap {
+        if binding && room && !queue && cap < p.max_cap {
             self.cap = Some((cap + p.alpha).min(p.max_cap));
             return Change::Raised;
         }
@@ -223,6 +252,53 @@ mod tests {
             waiting: Some(0.0),
             running: None,
         }
+    }
+
+    #[test]
+    fn a_standing_engine_queue_brings_the_cap_down_to_what_the_engine_runs() {
+        // An engine that runs at most 4 sequences (its max_num_seqs) with a nearly empty cache:
+        // the cache alone would allow 40, and 24 clients keep it busy.
+        let mut c = CapController::new(Some(40), CapParams::default());
+        let scrape = |cap: u32| {
+            let admitted = f64::from(cap.min(24));
+            let running = admitted.min(4.0);
+            Feedback {
+                preemptions_total: Some(0.0),
+                kv_usage: Some(0.1),
+                waiting: Some(admitted - running),
+                running: Some(running),
+            }
+        };
+        let mut caps = Vec::new();
+        for i in 0..30 {
+            let cap = c.cap().unwrap();
+            // Clients wait at the proxy: the cap binds.
+            assert!(!c.has_room(cap));
+            c.on_feedback(scrape(cap));
+            if i == 10 {
+                // The cache says ten times as many would fit: not while the engine queues.
+                assert_eq!(c.replan(400), Change::Held);
+                assert_eq!(c.replan(4_000), Change::Held);
+            }
+            caps.push(c.cap().unwrap());
+        }
+        // Cut to what it runs plus α at the second scrape, then within α of it from there on.
+        assert_eq!(caps[1], 6, "{caps:?}");
+        assert!(caps[2..].iter().all(|&c| (5..=7).contains(&c)), "{caps:?}");
+        // A busy healthy engine (a few requests arrived since its last step) is no queue: the cap
+        // still rises while it binds.
+        let mut c = CapController::new(Some(150), CapParams::default());
+        let busy = Feedback {
+            preemptions_total: Some(0.0),
+            kv_usage: Some(0.5),
+            waiting: Some(4.0),
+            running: Some(150.0),
+        };
+        for _ in 0..3 {
+            assert!(!c.has_room(c.cap().unwrap()));
+            assert_eq!(c.on_feedback(busy), Change::Raised);
+        }
+        assert_eq!(c.cap(), Some(156));
     }
 
     #[test]
