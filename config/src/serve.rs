@@ -129,7 +129,7 @@ pub struct CostConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct LogConfig {
     /// One line per request (target `headroom::access`): request id, route, status, backend,
-    /// pool, class, key name and duration. Never prompt text.
+    /// pool, class, key name, the proxy's own error reason and duration. Never prompt text.
     pub access: bool,
 }
 

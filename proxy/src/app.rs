@@ -157,6 +157,11 @@ pub struct RequestCtx {
     pub pool: String,
     /// Class the request belongs to.
     pub class: String,
+    /// The class was found (from the request, or its key's): a request refused before that
+    /// (no key, a bad key, a malformed request) is of no class, and counts in no class's numbers.
+    pub classified: bool,
+    /// Why the proxy answered with an error of its own (`x-headroom-error`), if it did.
+    pub error: Option<&'static str>,
     /// First dispatch to a replica (the end of queueing at the proxy).
     pub dispatched: Option<Instant>,
     /// The last attempt's dispatch.
@@ -294,6 +299,12 @@ impl Headroom {
             let auth = session.req_header().headers.get(header::AUTHORIZATION);
             let i = keys.authenticate(auth.map(|v| v.as_bytes()))?;
             ctx.key = Some(i);
+            // A key's class is known before its rate is checked: its refusals count in it.
+            if let Some(class) = keys.get(i).class.as_ref() {
+                ctx.pool = self.cfg.pool_of(class);
+                ctx.class = class.clone();
+                ctx.classified = true;
+            }
             let admitted = keys.admit(i);
             let outcome = if admitted.is_ok() {
                 "accepted"
@@ -398,6 +409,7 @@ impl Headroom {
             inspected.as_ref().map(|i| i.prompt_tokens),
         );
         ctx.pool = self.cfg.pool_of(&ctx.class);
+        ctx.classified = true;
         // A prompt longer than routing hashes is hashed whole for the capture, off the request path.
         let long_body = inspected
             .as_ref()
@@ -717,6 +729,8 @@ impl ProxyHttp for Headroom {
             arrival: SystemTime::now(),
             pool: self.pools[0].name.clone(),
             class: self.cfg.measure.default_class.clone(),
+            classified: false,
+            error: None,
             dispatched: None,
             sent: None,
             strip_usage: false,
@@ -776,6 +790,7 @@ impl ProxyHttp for Headroom {
                 .with_label_values(&[e.reason()])
                 .inc();
             ctx.status = e.status();
+            ctx.error = Some(e.reason());
             if !ctx.response_started {
                 respond(session, e.status(), "application/json", e.body(), Some(&e)).await;
             }
@@ -794,11 +809,16 @@ impl ProxyHttp for Headroom {
             .requests
             .with_label_values(&[ctx.route, ctx.backend.as_deref().unwrap_or("none"), &status])
             .inc();
-        if matches!(ctx.route, "chat" | "completions") {
+        if matches!(ctx.route, "chat" | "completions") && ctx.classified {
             self.finish_record(ctx);
         }
         if self.cfg.log.access {
             let key = self.client_key(ctx.key).map(|k| k.name.as_str());
+            let (pool, class) = if ctx.classified {
+                (ctx.pool.as_str(), ctx.class.as_str())
+            } else {
+                ("-", "-")
+            };
             tracing::info!(
                 target: "headroom::access",
                 // A string value is quoted and escaped: a client-chosen id cannot forge other fields.
@@ -806,10 +826,12 @@ impl ProxyHttp for Headroom {
                 route = ctx.route,
                 status = ctx.status,
                 backend = ctx.backend.as_deref().unwrap_or("none"),
-                pool = %ctx.pool,
-                class = %ctx.class,
+                pool = %pool,
+                class = %class,
                 key = key.unwrap_or("-"),
-                ms = ctx.start.elapsed().as_secs_f64() * 1e3,
+                error = ctx.error.unwrap_or("-"),
+                // To the microsecond: more digits are the float's noise, not the clock's.
+                ms = (ctx.start.elapsed().as_secs_f64() * 1e6).round() / 1e3,
             );
         }
     }

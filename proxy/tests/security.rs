@@ -185,6 +185,18 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         line(r#"headroom_slo_requests_total{class="batch",pool="default",result="good"}"#),
         "2"
     );
+    // The rate-limited request counts in its key's class; the requests refused for want of a
+    // key are of no class and count in none.
+    assert_eq!(
+        line(r#"headroom_slo_requests_total{class="batch",pool="default",result="failed"}"#),
+        "1"
+    );
+    assert!(
+        !m.contains(
+            r#"headroom_slo_requests_total{class="default",pool="default",result="failed"}"#
+        ),
+        "{m}"
+    );
     // The keyless request, the unknown path, the preflight of the unknown path, and the
     // OPTIONS with a body.
     assert_eq!(
