@@ -457,7 +457,7 @@ pub struct HealthConfig {
     pub eject_after: u32,
     /// How long an ejected replica gets no requests.
     pub eject_ms: u64,
-    /// At most this fraction of the fleet is ejected at once.
+    /// At most this fraction of the fleet, and of each pool, is ejected at once.
     pub max_ejected_fraction: f64,
 }
 

@@ -256,6 +256,17 @@ enum Attempt {
 }
 
 impl Headroom {
+    /// The 503 for a pool none of whose replicas (own or borrowed) can take a request now: why,
+    /// and a `Retry-After` from when one may again.
+    fn unavailable(&self, pool: &str, plan: &crate::app::PoolPlan) -> ProxyError {
+        let (why, wait) = self.fleet.unavailable(&plan.reach);
+        ProxyError::new(
+            ErrorKind::NoBackend,
+            format!("no replica of pool {pool} can take requests: {why}"),
+        )
+        .with_retry_after(wait)
+    }
+
     /// Forwards `out` to a replica picked by `policy`, retrying on others per the config, and
     /// relays the response. `Err` means nothing reached the client yet and the caller answers.
     pub(crate) async fn forward(
@@ -307,7 +318,7 @@ impl Headroom {
                             let own = look.candidates(&plan.members, &tried);
                             let borrowed = look.candidates(&plan.borrowable, &tried);
                             if !own.iter().chain(&borrowed).any(|v| v.healthy) {
-                                return Err(format!("no healthy replica in pool {}", plan.name));
+                                return Err(plan.name.as_str());
                             }
                             // Own replicas with room first, then borrowed ones below their floor.
                             let mut picked = None;
@@ -359,7 +370,9 @@ impl Headroom {
                     };
                     match (acquired, chosen) {
                         (Ok(permit), Some(pick)) => (pick, Some(permit)),
-                        (Err(Err(e)), _) => return Err(last_err.unwrap_or_else(|| no_backend(e))),
+                        (Err(Err(pool)), _) => {
+                            return Err(last_err.unwrap_or_else(|| self.unavailable(pool, plan)));
+                        }
                         (Err(Ok(refusal)), _) => {
                             let (kind, why) = match refusal {
                                 Refusal::QueueFull => (
@@ -399,6 +412,11 @@ impl Headroom {
                     }
                     let pick = match policy.select(&out.route, &views) {
                         Ok(p) => p,
+                        Err(_) if !views.iter().any(|v| v.healthy) => {
+                            return Err(
+                                last_err.unwrap_or_else(|| self.unavailable(&ctx.pool, plan))
+                            );
+                        }
                         Err(e) => return Err(last_err.unwrap_or_else(|| no_backend(e.to_string()))),
                     };
                     self.metrics

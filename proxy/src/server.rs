@@ -579,6 +579,10 @@ impl Generation {
             fleet.carry_from(&p.live.fleet, &pairs);
         }
         fleet.count_foreign = cfg.routing.foreign_load;
+        fleet.pools = crate::app::PoolPlan::all(&cfg)
+            .iter()
+            .map(|p| (0..p.members.len()).filter(|&i| p.members[i]).collect())
+            .collect();
         let peers = (!cfg.peers.addresses.is_empty()).then(|| {
             Arc::new(
                 Peers::new(

@@ -332,6 +332,8 @@ pub struct Fleet {
     /// Notified whenever this proxy's own work on a replica changes (a request sent, its first
     /// token, its end), for the push to peers.
     pub work_changed: Arc<tokio::sync::Notify>,
+    /// The pools' members (replica ids): the ejection cap holds in each pool as in the fleet.
+    pub pools: Vec<Vec<BackendId>>,
 }
 
 impl Fleet {
@@ -351,6 +353,7 @@ impl Fleet {
             epoch: Instant::now(),
             count_foreign: false,
             peers: None,
+            pools: Vec::new(),
         })
     }
 
@@ -499,16 +502,69 @@ impl Fleet {
         if fails < self.health.eject_after || self.is_ejected(b) {
             return false;
         }
-        let ejected = self.backends.iter().filter(|o| self.is_ejected(o)).count();
-        let cap = (self.backends.len() as f64 * self.health.max_ejected_fraction).floor() as usize;
-        if ejected + 1 > cap {
+        // The cap holds in the whole fleet and in each pool the replica is in: a pool's own
+        // problem must not empty it either.
+        let all: Vec<BackendId> = self.backends.iter().map(|o| o.id).collect();
+        let within_cap = |members: &[BackendId]| {
+            let ejected = members
+                .iter()
+                .filter(|&&id| self.is_ejected(&self.backends[id]))
+                .count();
+            ejected < (members.len() as f64 * self.health.max_ejected_fraction).floor() as usize
+        };
+        if !within_cap(&all)
+            || !self
+                .pools
+                .iter()
+                .filter(|p| p.contains(&b.id))
+                .all(|p| within_cap(p))
+        {
             return false;
         }
         b.ejected_until_ms
             .store(self.now_ms() + self.health.eject_ms, Ordering::Relaxed);
         b.request_fails.store(0, Ordering::Relaxed);
         b.ejections.fetch_add(1, Ordering::Relaxed);
+        tracing::warn!(
+            backend = %b.name,
+            failures = fails,
+            eject_ms = self.health.eject_ms,
+            "replica ejected after consecutive failed requests"
+        );
         true
+    }
+
+    /// Why none of `members` can take a request now, and when one may again (seconds, for a
+    /// `Retry-After`): the soonest end of an ejection, else the next health probe.
+    pub fn unavailable(&self, members: &[bool]) -> (String, u32) {
+        let now = self.now_ms();
+        let (mut unhealthy, mut ejected, mut soonest) = (0, 0, None::<u64>);
+        for b in self
+            .backends
+            .iter()
+            .filter(|b| members.get(b.id).copied().unwrap_or(false))
+        {
+            if !b.probe_healthy() {
+                unhealthy += 1;
+            } else if self.is_ejected(b) {
+                ejected += 1;
+                let left = b
+                    .ejected_until_ms
+                    .load(Ordering::Relaxed)
+                    .saturating_sub(now);
+                soonest = Some(soonest.map_or(left, |s| s.min(left)));
+            }
+        }
+        let wait_ms = soonest.unwrap_or(self.health.interval_ms.max(1));
+        let why = match (unhealthy, ejected) {
+            (0, 0) => "no replica".to_owned(),
+            (u, 0) => format!("{u} unhealthy (failing health probes)"),
+            (0, e) => format!("{e} ejected after failed requests"),
+            (u, e) => {
+                format!("{u} unhealthy (failing health probes), {e} ejected after failed requests")
+            }
+        };
+        (why, wait_ms.div_ceil(1000).clamp(1, 3600) as u32)
     }
 
     /// Records one active probe of `b`.
@@ -523,8 +579,9 @@ impl Fleet {
             cold_start(true);
             b.probe_fails.store(0, Ordering::Relaxed);
             let passes = b.probe_passes.fetch_add(1, Ordering::Relaxed) + 1;
-            if passes >= self.health.healthy_after {
-                b.probe_healthy.store(true, Ordering::Relaxed);
+            if passes >= self.health.healthy_after && !b.probe_healthy.swap(true, Ordering::Relaxed)
+            {
+                tracing::info!(backend = %b.name, "replica healthy again");
             }
         } else {
             b.probe_passes.store(0, Ordering::Relaxed);
@@ -532,7 +589,13 @@ impl Fleet {
             if fails >= self.health.unhealthy_after {
                 // One slow probe is not a restart; a replica judged down is.
                 cold_start(false);
-                b.probe_healthy.store(false, Ordering::Relaxed);
+                if b.probe_healthy.swap(false, Ordering::Relaxed) {
+                    tracing::warn!(
+                        backend = %b.name,
+                        failed_probes = fails,
+                        "replica unhealthy: it failed its health probes"
+                    );
+                }
             }
         }
     }
@@ -732,6 +795,28 @@ mod tests {
         assert!(!f.request_failed(&c) && !f.request_failed(&c));
         assert!(f.is_available(&c));
         assert_eq!(f.views().iter().filter(|v| v.healthy).count(), 2);
+        let (why, wait) = f.unavailable(&[true, true, false, false]);
+        assert_eq!(why, "2 ejected after failed requests");
+        assert_eq!(wait, HealthConfig::default().eject_ms.div_ceil(1000) as u32);
+    }
+
+    #[test]
+    fn the_ejection_cap_holds_in_each_pool() {
+        let mut f = fleet(
+            4,
+            HealthConfig {
+                eject_after: 1,
+                max_ejected_fraction: 0.5,
+                ..HealthConfig::default()
+            },
+        );
+        // Pools {0, 1} and {2, 3}: half of the fleet, but all of one pool, may not go.
+        f.pools = vec![vec![0, 1], vec![2, 3]];
+        let [a, b, c, _] = [0, 1, 2, 3].map(|i| f.backends[i].clone());
+        assert!(f.request_failed(&a));
+        assert!(!f.request_failed(&b), "the pool's last replica stays");
+        assert!(f.request_failed(&c), "another pool's first may go");
+        assert!(f.is_available(&b));
     }
 
     #[test]
