@@ -114,6 +114,10 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
     let admission = match (a.enabled, a.max_in_flight) {
         (false, _) => "admission off".to_owned(),
         (true, Some(cap)) => format!("admission on (caps start at {cap})"),
+        (true, None) if cfg.scrape.interval_ms == 0 => "admission on but without caps: no \
+            admission.max_in_flight and no engine scrapes (scrape.interval_ms = 0) to derive one \
+            from, so no request waits"
+            .to_owned(),
         (true, None) => format!(
             "admission on (caps from each engine's KV capacity at {} tokens per sequence)",
             a.context_tokens
@@ -158,10 +162,12 @@ pub async fn run(args: ServeArgs) -> anyhow::Result<()> {
             _ = term.recv() => break,
             _ = hangup.recv() => match args.config() {
                 // The file is read again and validated; a bad one changes nothing.
-                Err(e) => eprintln!("headroom serve: reload refused, still serving the previous config: {e:#}"),
+                // Logged, not printed: a log pipeline (--log-format json) sees refusals as it sees
+                // the reloads that succeed.
+                Err(e) => tracing::error!(error = %format!("{e:#}"), "reload refused, still serving the previous config"),
                 Ok(cfg) => match handle.reload(cfg).await {
                     Ok(()) => eprintln!("headroom serve: config reloaded; requests in progress finish on the previous one"),
-                    Err(e) => eprintln!("headroom serve: reload refused, still serving the previous config: {e}"),
+                    Err(e) => tracing::error!(error = %e, "reload refused, still serving the previous config"),
                 },
             },
         }

@@ -824,6 +824,13 @@ impl Default for CaptureConfig {
     }
 }
 
+/// Whether `s` is an HTTP header name (RFC 9110 token characters).
+fn is_header_name(s: &str) -> bool {
+    !s.is_empty()
+        && s.bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b"!#$%&'*+-.^_`|~".contains(&b))
+}
+
 fn default_listen() -> String {
     "0.0.0.0:8080".into()
 }
@@ -1238,11 +1245,11 @@ impl Validate for ServeConfig {
         );
         check(
             e,
-            !r.session_header.is_empty() && r.session_header.is_ascii(),
+            is_header_name(&r.session_header),
             &rp,
             "session_header",
             &r.session_header,
-            "must be a header name",
+            "must be a header name (letters, digits and !#$%&'*+-.^_`|~, no spaces)",
         );
         let peers = &self.peers;
         let pp = field_path(p, "peers");
@@ -1436,11 +1443,11 @@ impl Validate for ServeConfig {
         let mp = field_path(p, "measure");
         check(
             e,
-            !m.class_header.is_empty() && m.class_header.is_ascii(),
+            is_header_name(&m.class_header),
             &mp,
             "class_header",
             &m.class_header,
-            "must be a header name",
+            "must be a header name (letters, digits and !#$%&'*+-.^_`|~, no spaces)",
         );
         let names: Vec<&str> = self.classes.keys().map(String::as_str).collect();
         check(
@@ -1672,7 +1679,17 @@ impl Validate for ServeConfig {
                 );
             }
         }
-        for name in self.classes.keys() {
+        for (name, class) in &self.classes {
+            for path in &class.paths {
+                check(
+                    e,
+                    matches!(path.as_str(), "/v1/completions" | "/v1/chat/completions"),
+                    &field_path(p, &format!("classes.{name}")),
+                    "paths",
+                    path,
+                    "must be /v1/completions or /v1/chat/completions (the generation paths)",
+                );
+            }
             let pool = self.pool_of(name);
             check(
                 e,
@@ -1680,7 +1697,14 @@ impl Validate for ServeConfig {
                 &field_path(p, &format!("classes.{name}")),
                 "pool",
                 &pool,
-                &format!("must name a pool ({})", pool_names.join(", ")),
+                &if class.pool.is_none() {
+                    format!(
+                        "is unset, so the pool `default`, which does not exist: name one of the pools ({})",
+                        pool_names.join(", ")
+                    )
+                } else {
+                    format!("must name a pool ({})", pool_names.join(", "))
+                },
             );
             check(
                 e,
@@ -1969,8 +1993,15 @@ name = "a"
 name = "interactive"
 backends = ["a", "zz"]
 borrow = ["interactive"]
+[[pools]]
+name = "batch"
+backends = ["a"]
 [classes.default]
 pool = "nowhere"
+[classes.unset]
+paths = ["/v1/nosuch"]
+[measure]
+class_header = "bad header"
 "#;
         let err = parse_toml::<ServeConfig>(text, Path::new("p.toml"))
             .unwrap_err()
@@ -1978,7 +2009,10 @@ pool = "nowhere"
         for want in [
             "pools[0].backends = zz: names no backend",
             "pools[0].borrow = interactive: must name another pool",
-            "classes.default.pool = nowhere: must name a pool (interactive)",
+            "classes.default.pool = nowhere: must name a pool (interactive, batch)",
+            "classes.unset.pool = default: is unset, so the pool `default`, which does not exist",
+            "classes.unset.paths = /v1/nosuch: must be /v1/completions or /v1/chat/completions",
+            "measure.class_header = bad header: must be a header name",
         ] {
             assert!(err.contains(want), "{want}\n{err}");
         }

@@ -1238,7 +1238,8 @@ fn admin_router(
                         );
                     }
                     if let Some(a) = &admission {
-                        metrics.refresh_admission(&fleet, a);
+                        let classes: Vec<&str> = cfg.classes.keys().map(String::as_str).collect();
+                        metrics.refresh_admission(&fleet, a, &classes);
                     }
                     (
                         [("content-type", "text/plain; version=0.0.4")],

@@ -483,12 +483,16 @@ impl Admission {
         }
     }
 
-    /// Seconds a refused client should wait: the queue ahead over the recent completion rate,
-    /// between 1 and 60.
+    /// Seconds a refused client should wait: the queue ahead over the recent completion rate
+    /// (one a second until completions have been timed), between 1 and 60.
     pub fn retry_after(&self) -> u32 {
         let g = self.lock();
         let queued = g.waiters.len() as f64 + 1.0;
-        let rate = g.done_rate.max(0.1);
+        let rate = if g.done_rate <= 0.0 {
+            1.0
+        } else {
+            g.done_rate.max(0.1)
+        };
         (queued / rate).ceil().clamp(1.0, 60.0) as u32
     }
 

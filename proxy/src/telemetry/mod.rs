@@ -973,7 +973,12 @@ impl Metrics {
     }
 
     /// Reads admission state into its gauges.
-    pub fn refresh_admission(&self, fleet: &Fleet, admission: &crate::admission::Admission) {
+    pub fn refresh_admission(
+        &self,
+        fleet: &Fleet,
+        admission: &crate::admission::Admission,
+        classes: &[&str],
+    ) {
         let snapshot = admission.snapshot();
         for (b, r) in fleet.backends.iter().zip(&snapshot.replicas) {
             let name = [b.name.as_str()];
@@ -998,7 +1003,12 @@ impl Metrics {
                 .with_label_values(&name)
                 .set(r.tokens as f64);
         }
+        // Every configured class has a series (0 while none of it waits), so an empty queue reads
+        // 0 rather than no data; a class a reload dropped loses its series.
         self.admission.queued.reset();
+        for class in classes {
+            self.admission.queued.with_label_values(&[class]).set(0.0);
+        }
         for (class, n) in snapshot.queued {
             self.admission
                 .queued
