@@ -158,7 +158,7 @@ print("|---|---|---|---|---|---|---|---|")
 for t in ("slice", "first-capture", "second-capture", "slice-in-row-order", "first-capture-in-slice-order"):
     d = json.load(open(f"{out}/info-{t}.json"))
     i, o = d["input_length"], d["output_length"]
-    print(f"| {t} | {d['requests']} | {i['p50_ms']:.0f} / {i['p99_ms']:.0f} / {i['max_ms']:.0f} | {o['p50_ms']:.0f} / {o['p99_ms']:.0f} / {o['max_ms']:.0f} | {d['input_tokens_total']} | {d['output_tokens_total']} | {d['ideal_hit_rate_at_cache']:.4f} | {d['ideal_hit_rate_unbounded']:.4f} |")
+    print(f"| {t} | {d['requests']} | {i['p50']:.0f} / {i['p99']:.0f} / {i['max']:.0f} | {o['p50']:.0f} / {o['p99']:.0f} / {o['max']:.0f} | {d['input_tokens_total']} | {d['output_tokens_total']} | {d['ideal_hit_rate_at_cache']:.4f} | {d['ideal_hit_rate_unbounded']:.4f} |")
 if with_guidellm:
     def pct(v, p):
         v = sorted(v); k = p / 100 * (len(v) - 1); lo = int(k); hi = min(lo + 1, len(v) - 1)

@@ -32,7 +32,8 @@ pub struct Bucket {
 pub struct TailReport {
     /// Requests.
     pub requests: usize,
-    /// Prompt length distribution (values are tokens, in the `_ms` fields of [`Dist`]).
+    /// Prompt length distribution, in tokens.
+    #[serde(serialize_with = "crate::report::serialize_count")]
     pub prompt_tokens: Dist,
     /// Share of all prompt tokens in the longest 1% of prompts.
     pub top1_token_share: f64,

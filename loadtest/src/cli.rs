@@ -128,8 +128,8 @@ pub fn read_trace(path: &Path, format: Option<SourceFormat>) -> anyhow::Result<V
             trace::fill_unique_hash_ids(&mut r);
             r
         }),
-        SourceFormat::Azure => trace::import_azure(open()?),
-        SourceFormat::Burstgpt => trace::import_burstgpt(open()?),
+        SourceFormat::Azure => trace::import_azure(open()?).map(|i| skipped(path, i)),
+        SourceFormat::Burstgpt => trace::import_burstgpt(open()?).map(|i| skipped(path, i)),
     }
     .with_context(|| format!("reading trace {}", path.display()))?;
     // A capture's shadow records are copies of requests already in it, not traffic.
@@ -148,6 +148,18 @@ pub fn read_trace(path: &Path, format: Option<SourceFormat>) -> anyhow::Result<V
     Ok(records)
 }
 
+/// An import's records, saying how many rows it left out.
+fn skipped(path: &Path, import: trace::Import) -> Vec<TraceRecord> {
+    if import.skipped_empty > 0 {
+        eprintln!(
+            "{}: left out {} rows with no prompt tokens (nothing to replay)",
+            path.display(),
+            import.skipped_empty
+        );
+    }
+    import.records
+}
+
 fn write_trace(path: &Path, records: &[TraceRecord]) -> anyhow::Result<()> {
     if let Some(dir) = path.parent().filter(|d| !d.as_os_str().is_empty()) {
         std::fs::create_dir_all(dir)?;
@@ -164,6 +176,11 @@ pub fn run_trace(cmd: TraceCommand) -> anyhow::Result<()> {
             outputs::not_an_input(&a.output, &[&a.input])?;
             let mut records = read_trace(&a.input, Some(a.format))?;
             if let Some(n) = a.max_requests {
+                if n == 0 {
+                    bail!(
+                        "--max-requests 0 would write a trace with no requests, which nothing reads"
+                    );
+                }
                 records.truncate(n);
             }
             write_trace(&a.output, &records)?;
@@ -214,8 +231,8 @@ pub fn trace_info(records: &[TraceRecord], cache_tokens: Option<u64>) -> Value {
     let mut doc = json!({
         "requests": records.len(),
         "span_s": span_ms as f64 / 1e3,
-        "input_length": dist(&|r| f64::from(r.input_length)),
-        "output_length": dist(&|r| f64::from(r.output_length)),
+        "input_length": dist(&|r| f64::from(r.input_length)).as_count(),
+        "output_length": dist(&|r| f64::from(r.output_length)).as_count(),
         "input_tokens_total": records.iter().map(|r| u64::from(r.input_length)).sum::<u64>(),
         "output_tokens_total": records.iter().map(|r| u64::from(r.output_length)).sum::<u64>(),
         "hash_ids": total_blocks,
@@ -235,11 +252,11 @@ fn trace_info_text(d: &Value) -> String {
         let x = &d[k];
         format!(
             "p50 {:.0}, p90 {:.0}, p99 {:.0}, max {:.0} (mean {:.1})",
-            n(&x["p50_ms"]),
-            n(&x["p90_ms"]),
-            n(&x["p99_ms"]),
-            n(&x["max_ms"]),
-            n(&x["mean_ms"])
+            n(&x["p50"]),
+            n(&x["p90"]),
+            n(&x["p99"]),
+            n(&x["max"]),
+            n(&x["mean"])
         )
     };
     let mut s = format!(
@@ -559,6 +576,13 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     if records.is_empty() {
         bail!("no requests left to replay after --shard/--max-requests");
     }
+    if a.warmup >= records.len() {
+        bail!(
+            "--warmup {} leaves no request to measure: this run sends {}",
+            a.warmup,
+            records.len()
+        );
+    }
     let slo = a
         .slo
         .as_deref()
@@ -570,6 +594,12 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         .iter()
         .map(|t| t.trim_end_matches('/').to_owned())
         .collect();
+    for t in targets.iter().chain(&a.observe) {
+        let url = reqwest::Url::parse(t).with_context(|| format!("{t:?} is not a URL"))?;
+        if !matches!(url.scheme(), "http" | "https") || url.host_str().is_none() {
+            bail!("{t:?} is not an http:// or https:// URL with a host");
+        }
+    }
     let target = targets[0].clone();
     let client = reqwest::Client::new();
     let models = get_json(&client, &format!("{target}/v1/models")).await;
@@ -626,7 +656,13 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     };
     let mut metrics_before = Vec::new();
     for t in &observed {
-        metrics_before.push(metrics_text(&client, t).await);
+        let text = metrics_text(&client, t).await;
+        if text.is_none() && behind {
+            eprintln!(
+                "headroom replay: WARNING: --observe {t}: no /metrics answered, so the run's prefix-cache hit rate is left out"
+            );
+        }
+        metrics_before.push(text);
     }
 
     let run_id = format!("hr{:08x}", rand::random::<u32>());
@@ -883,25 +919,31 @@ async fn run_sweep(
             run_id: format!("{}-l{i}", base.run_id),
             ..base.clone()
         };
-        eprintln!(
-            "headroom replay: sweep level {} = {level} for {} s",
-            sweep.load, a.sweep_duration
-        );
+        if !a.quiet {
+            eprintln!(
+                "headroom replay: sweep level {} = {level} for {} s",
+                sweep.load, a.sweep_duration
+            );
+        }
         let counters = Arc::new(Counters::default());
-        let progress = spawn_progress(counters.clone(), records.len());
+        let progress = (!a.quiet).then(|| spawn_progress(counters.clone(), records.len()));
         let results = replay::run(records.clone(), opts, counters).await;
-        progress.abort();
-        if std::io::stderr().is_terminal() {
-            eprintln!();
+        if let Some(progress) = progress {
+            progress.abort();
+            if std::io::stderr().is_terminal() {
+                eprintln!();
+            }
         }
         let summary = report::summarize(&results, slo);
-        eprintln!(
-            "  {level}: {:.2} req/s, {:.0} output tok/s, TTFT p50 {:.1} ms p99 {:.1} ms",
-            summary.request_throughput,
-            summary.output_token_throughput,
-            summary.ttft.p50_ms,
-            summary.ttft.p99_ms
-        );
+        if !a.quiet {
+            eprintln!(
+                "  {level}: {:.2} req/s, {:.0} output tok/s, TTFT p50 {:.1} ms p99 {:.1} ms",
+                summary.request_throughput,
+                summary.output_token_throughput,
+                summary.ttft.p50_ms,
+                summary.ttft.p99_ms
+            );
+        }
         points.push((level, summary));
     }
     let (knee, safe) = sweep_verdict(&points, slo);
@@ -947,8 +989,10 @@ async fn run_sweep(
         text.push('\n');
     }
     outputs::write(&a.out.join("sweep.txt"), &text)?;
-    print!("{text}");
-    eprintln!("headroom replay: sweep results in {}", a.out.display());
+    if !a.quiet {
+        print!("{text}");
+        eprintln!("headroom replay: sweep results in {}", a.out.display());
+    }
     Ok(path)
 }
 

@@ -32,6 +32,23 @@ pub struct Dist {
     pub max_ms: f64,
 }
 
+impl Dist {
+    /// The distribution of a count (tokens, not milliseconds): the same numbers under names
+    /// without a unit.
+    pub fn as_count(&self) -> serde_json::Value {
+        serde_json::json!({
+            "count": self.count, "mean": self.mean_ms, "min": self.min_ms, "p50": self.p50_ms,
+            "p90": self.p90_ms, "p95": self.p95_ms, "p99": self.p99_ms, "p999": self.p999_ms,
+            "max": self.max_ms,
+        })
+    }
+}
+
+/// Serializes a [`Dist`] of counts with [`Dist::as_count`]'s names.
+pub fn serialize_count<S: serde::Serializer>(d: &Dist, s: S) -> Result<S::Ok, S::Error> {
+    serde::Serialize::serialize(&d.as_count(), s)
+}
+
 /// The `p`-th percentile (0–100) of sorted values, interpolating linearly between ranks.
 pub fn percentile(sorted: &[f64], p: f64) -> f64 {
     if sorted.is_empty() {

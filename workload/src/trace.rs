@@ -149,13 +149,33 @@ pub fn read_jsonl(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> 
             line: line_no,
             error,
         })?;
-        if line.trim().is_empty() {
+        // A byte-order mark some editors write before the first line is not part of the JSON.
+        let text = if line_no == 1 {
+            line.trim_start_matches('\u{feff}')
+        } else {
+            line.as_str()
+        };
+        if text.trim().is_empty() {
             continue;
         }
-        let r: TraceRecord = serde_json::from_str(&line).map_err(|e| TraceError::Invalid {
+        // serde reads a struct from a JSON array too (its fields in order): a record is an object.
+        if !text.trim_start().starts_with('{') {
+            return Err(TraceError::Invalid {
+                line: line_no,
+                reason: "a trace record is a JSON object ({\"timestamp\": …}), one per line".into(),
+            });
+        }
+        let r: TraceRecord = serde_json::from_str(text).map_err(|e| TraceError::Invalid {
             line: line_no,
-            reason: e.to_string(),
+            // serde's own position is within this line: the column is what it adds.
+            reason: e.to_string().replace(" at line 1 column ", " at column "),
         })?;
+        if r.block_tokens == Some(0) {
+            return Err(TraceError::Invalid {
+                line: line_no,
+                reason: "block_tokens is 0 (tokens per hash id: at least 1)".into(),
+            });
+        }
         sorted &= out.last().is_none_or(|p| p.timestamp <= r.timestamp);
         if r.input_length == 0 {
             return Err(TraceError::Invalid {
@@ -269,6 +289,20 @@ fn parse_datetime_ms(s: &str) -> Option<f64> {
         t.next()?.parse::<i64>().ok()?,
     );
     let ss: f64 = t.next()?.parse().ok()?;
+    let month_days = match m {
+        1 | 3 | 5 | 7 | 8 | 10 | 12 => 31,
+        4 | 6 | 9 | 11 => 30,
+        2 if y % 4 == 0 && (y % 100 != 0 || y % 400 == 0) => 29,
+        2 => 28,
+        _ => return None,
+    };
+    if !((1..=month_days).contains(&day)
+        && (0..24).contains(&hh)
+        && (0..60).contains(&mm)
+        && (0.0..61.0).contains(&ss))
+    {
+        return None;
+    }
     // Days from the civil date (Howard Hinnant's algorithm).
     let y = if m <= 2 { y - 1 } else { y };
     let era = if y >= 0 { y } else { y - 399 } / 400;
@@ -359,9 +393,10 @@ fn read_csv(
 
 /// Imports the Azure LLM inference trace CSV (`TIMESTAMP,ContextTokens,GeneratedTokens`). Azure
 /// has no prefix information: every request gets its own hash ids.
-pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+pub fn import_azure(reader: impl BufRead) -> Result<Import, TraceError> {
     let mut out = Vec::new();
     let mut arrivals = Vec::new();
+    let mut skipped = 0;
     read_csv(
         reader,
         &["TIMESTAMP", "ContextTokens", "GeneratedTokens"],
@@ -369,7 +404,10 @@ pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError
         |r, c, _| {
             let at = parse_datetime_ms(r.get(c[0])).ok_or_else(|| TraceError::Invalid {
                 line: r.line,
-                reason: format!("bad TIMESTAMP: {:?}", r.text),
+                reason: format!(
+                    "bad TIMESTAMP {:?}: a date and time, YYYY-MM-DD HH:MM:SS[.fraction]",
+                    r.get(c[0])
+                ),
             })?;
             let input: u32 = r.parse(c[1], "ContextTokens")?;
             let output: u32 = r.parse(c[2], "GeneratedTokens")?;
@@ -380,22 +418,37 @@ pub fn import_azure(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError
                     output_length: output,
                     ..TraceRecord::default()
                 });
+            } else {
+                skipped += 1;
             }
             Ok(())
         },
     )?;
     finish_import(&mut out, &arrivals);
-    Ok(out)
+    Ok(Import {
+        records: out,
+        skipped_empty: skipped,
+    })
 }
 
 /// Imports a BurstGPT CSV (`Timestamp` s, `Session ID`, `Model`, `Request tokens`,
 /// `Response tokens`, …). No prefix information: fresh hash ids per request; the session id is kept.
-pub fn import_burstgpt(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceError> {
+pub fn import_burstgpt(reader: impl BufRead) -> Result<Import, TraceError> {
     let mut out = Vec::new();
     let mut arrivals = Vec::new();
+    let mut skipped = 0;
     let required = ["Timestamp", "Model", "Request tokens", "Response tokens"];
     read_csv(reader, &required, &["Session ID"], |r, c, opt| {
         let at: f64 = r.parse(c[0], "Timestamp")?;
+        // Seconds from the trace's start; as milliseconds they must fit a trace timestamp.
+        if !(at.is_finite() && (0.0..=1e15).contains(&at)) {
+            return Err(TraceError::Invalid {
+                line: r.line,
+                reason: format!(
+                    "bad Timestamp {at}: seconds from the trace's start, not negative and finite"
+                ),
+            });
+        }
         let input: u32 = r.parse(c[2], "Request tokens")?;
         let output: u32 = r.parse(c[3], "Response tokens")?;
         if input > 0 {
@@ -409,11 +462,25 @@ pub fn import_burstgpt(reader: impl BufRead) -> Result<Vec<TraceRecord>, TraceEr
                     .filter(|s| !s.is_empty()),
                 ..TraceRecord::default()
             });
+        } else {
+            skipped += 1;
         }
         Ok(())
     })?;
     finish_import(&mut out, &arrivals);
-    Ok(out)
+    Ok(Import {
+        records: out,
+        skipped_empty: skipped,
+    })
+}
+
+/// What an import read.
+#[derive(Debug)]
+pub struct Import {
+    /// The requests, in arrival order.
+    pub records: Vec<TraceRecord>,
+    /// Rows left out because their prompt had no tokens (nothing to replay).
+    pub skipped_empty: usize,
 }
 
 /// The prefix-cache hit rate (hit tokens / prompt tokens) the trace's hash ids imply for a
@@ -514,12 +581,35 @@ mod tests {
         assert!(err.to_string().contains("expected 2"), "{err}");
         let err = read_jsonl("not json".as_bytes()).unwrap_err();
         assert!(err.to_string().starts_with("line 1:"), "{err}");
+        // An array has the fields in order, but a record is an object.
+        let one = "{\"timestamp\":0,\"input_length\":10,\"output_length\":5}\n";
+        let err = read_jsonl(format!("{one}[1,2,3]\n").as_bytes()).unwrap_err();
+        assert!(
+            err.to_string()
+                .starts_with("line 2: a trace record is a JSON object"),
+            "{err}"
+        );
+        let err = read_jsonl(
+            "{\"timestamp\":0,\"input_length\":10,\"output_length\":5,\"block_tokens\":0}"
+                .as_bytes(),
+        )
+        .unwrap_err();
+        assert!(err.to_string().contains("block_tokens is 0"), "{err}");
+        let err = read_jsonl("{\"timestamp\":0,\"input_length\":-1}".as_bytes()).unwrap_err();
+        assert!(!err.to_string().contains("line 1 column"), "{err}");
+        // A byte-order mark before the first line is read past.
+        assert_eq!(
+            read_jsonl(format!("\u{feff}{one}").as_bytes())
+                .unwrap()
+                .len(),
+            1
+        );
     }
 
     #[test]
     fn azure_csv_imports_relative_ms_and_unique_ids() {
         let csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:46.6805900,374,44\n2023-11-16 18:15:50.9951690,1025,109\n";
-        let recs = import_azure(csv.as_bytes()).unwrap();
+        let recs = import_azure(csv.as_bytes()).unwrap().records;
         assert_eq!(recs.len(), 2);
         assert_eq!(recs[0].timestamp, 0);
         assert_eq!(recs[1].timestamp, 4315);
@@ -531,13 +621,39 @@ mod tests {
                 .to_string()
                 .contains("no `TIMESTAMP` column")
         );
+        for bad in [
+            "2023-13-45 18:16:00.0",
+            "2023-02-29 10:00:00",
+            "2023-11-16 24:00:00",
+        ] {
+            let csv = format!("TIMESTAMP,ContextTokens,GeneratedTokens\n{bad},10,5\n");
+            let err = import_azure(csv.as_bytes()).unwrap_err().to_string();
+            assert!(err.contains("bad TIMESTAMP") && err.contains(bad), "{err}");
+        }
+        let leap = "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-02-29 10:00:00,10,5\n";
+        assert_eq!(import_azure(leap.as_bytes()).unwrap().records.len(), 1);
+    }
+
+    #[test]
+    fn burstgpt_timestamps_must_be_seconds_from_the_start() {
+        for bad in ["-5", "nan", "inf", "1e300"] {
+            let csv =
+                format!("Timestamp,Model,Request tokens,Response tokens\n0,m,10,5\n{bad},m,10,5\n");
+            let err = import_burstgpt(csv.as_bytes()).unwrap_err().to_string();
+            assert!(err.starts_with("line 3: bad Timestamp"), "{bad}: {err}");
+        }
     }
 
     #[test]
     fn burstgpt_csv_keeps_sessions_and_models() {
         let csv = "Timestamp,Session ID,Elapsed time,Model,Request tokens,Response tokens,Total tokens,Log Type\n5,s1,1.2,ChatGPT,100,20,120,Conversation log\n7.5,s1,0.9,ChatGPT,0,0,0,Conversation log\n9,s2,2.0,GPT-4,700,50,750,API log\n";
-        let recs = import_burstgpt(csv.as_bytes()).unwrap();
-        assert_eq!(recs.len(), 2, "zero-token rows are skipped");
+        let import = import_burstgpt(csv.as_bytes()).unwrap();
+        assert_eq!(
+            import.skipped_empty, 1,
+            "zero-token rows are skipped, and counted"
+        );
+        let recs = import.records;
+        assert_eq!(recs.len(), 2);
         assert_eq!((recs[0].timestamp, recs[1].timestamp), (0, 4000));
         assert_eq!(recs[1].session_id.as_deref(), Some("s2"));
         assert_eq!(recs[1].model.as_deref(), Some("GPT-4"));
@@ -565,7 +681,7 @@ mod tests {
     #[test]
     fn csv_time_zero_is_the_earliest_row() {
         let csv = "TIMESTAMP,ContextTokens,GeneratedTokens\n2023-11-16 18:15:50.0,10,1\n2023-11-16 18:15:46.0,10,1\n";
-        let recs = import_azure(csv.as_bytes()).unwrap();
+        let recs = import_azure(csv.as_bytes()).unwrap().records;
         assert_eq!((recs[0].timestamp, recs[1].timestamp), (0, 4000));
     }
 
