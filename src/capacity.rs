@@ -49,14 +49,21 @@ pub struct CapacityArgs {
 pub fn run(a: CapacityArgs) -> anyhow::Result<()> {
     let gpu = GpuSpec::by_name(&a.gpu)
         .with_context(|| format!("unknown GPU `{}`: use h100 or h200", a.gpu))?;
-    let model = if a.model.ends_with(".json") || Path::new(&a.model).is_file() {
-        let text =
-            std::fs::read_to_string(&a.model).with_context(|| format!("reading {}", a.model))?;
-        let name = Path::new(&a.model)
+    // A model directory (a Hugging Face checkout) is read through its config.json.
+    let file = if Path::new(&a.model).is_dir() {
+        Path::new(&a.model).join("config.json")
+    } else {
+        Path::new(&a.model).to_path_buf()
+    };
+    let model = if a.model.ends_with(".json") || file.is_file() {
+        let text = std::fs::read_to_string(&file)
+            .with_context(|| format!("reading {}", file.display()))?;
+        let name = file
             .parent()
             .and_then(|p| p.file_name())
             .map_or_else(|| a.model.clone(), |n| n.to_string_lossy().into_owned());
-        ModelSpec::from_hf_config(&name, &text).map_err(anyhow::Error::msg)?
+        ModelSpec::from_hf_config(&name, &text)
+            .map_err(|e| anyhow::anyhow!("{}: {e}", file.display()))?
     } else {
         ModelSpec::by_name(&a.model).with_context(|| {
             format!(
@@ -70,6 +77,26 @@ pub fn run(a: CapacityArgs) -> anyhow::Result<()> {
     }
     if a.context == 0 || a.block_size == 0 || a.tp == Some(0) {
         bail!("--context, --block-size and --tp must be positive");
+    }
+    if let Some(tp) = a.tp {
+        // vLLM splits the attention heads over the GPUs, and the KV heads too (or replicates
+        // them when there are fewer KV heads than GPUs).
+        if model.heads % tp != 0 || (model.kv_heads % tp != 0 && tp % model.kv_heads != 0) {
+            bail!(
+                "--tp {tp} does not divide {}'s {} attention heads and {} KV heads evenly",
+                model.name,
+                model.heads,
+                model.kv_heads
+            );
+        }
+    }
+    if a.context > model.max_model_len {
+        bail!(
+            "--context {} is longer than {} takes ({} tokens, max_position_embeddings)",
+            a.context,
+            model.name,
+            model.max_model_len
+        );
     }
     let mut d = match a.tp {
         Some(tp) => Deployment::new(model, gpu, tp),
@@ -88,6 +115,16 @@ pub fn run(a: CapacityArgs) -> anyhow::Result<()> {
             note.tp,
             note.gpu,
             a.gpu_memory_utilization
+        );
+    }
+    if note.sequences_at_context < 1.0 {
+        bail!(
+            "not one sequence of --context {} tokens fits in {}'s KV cache on {} × {} ({} tokens): try a larger --tp or fp8 KV",
+            a.context,
+            note.model,
+            note.tp,
+            note.gpu,
+            note.kv_tokens
         );
     }
     if a.json {

@@ -97,6 +97,13 @@ fn correlation(xs: &[f64], ys: &[f64]) -> Option<f64> {
     (vx > 0.0 && vy > 0.0).then(|| cov / (vx * vy).sqrt())
 }
 
+/// Fewer requests than this and the longest 1% is a request or two: the report says so.
+const MIN_TAIL_REQUESTS: usize = 200;
+/// A correlation weaker than this does not say what drives TTFT.
+const MIN_CORRELATION: f64 = 0.3;
+/// Nor does one over fewer timed requests than this.
+const MIN_CORRELATED: usize = 30;
+
 /// Builds the tail report.
 pub fn tail_report(points: &[TailPoint]) -> TailReport {
     let mut lens: Vec<f64> = points.iter().map(|p| f64::from(p.input)).collect();
@@ -190,30 +197,43 @@ pub fn tail_report(points: &[TailPoint]) -> TailReport {
             _ => false,
         }
     };
-    let driver = match (ttft_vs_length, ttft_vs_load) {
-        (Some(l), Some(q)) if q.abs() > l.abs() => {
+    // A correlation says something only when it is positive, not weak, and over enough requests.
+    let telling =
+        |r: Option<f64>| r.filter(|r| *r >= MIN_CORRELATION && timed.len() >= MIN_CORRELATED);
+    let driver = match (telling(ttft_vs_length), telling(ttft_vs_load)) {
+        (l, Some(q)) if l.is_none_or(|l| q > l) => {
             " TTFT follows load more than prompt length: admission (queueing at the proxy) matters more than routing long prompts apart."
         }
         (Some(_), _) => " TTFT follows prompt length: the long prompts themselves set the tail.",
         _ => "",
     };
-    let recommendation = if heavy_tail || longest_slow {
+    let few = if points.len() < MIN_TAIL_REQUESTS {
         format!(
-            "Route prompts above ~{threshold} tokens to their own pool: the longest 1% carry {:.0}% of prompt tokens and {:.0}% of attention work{}, and their prefill delays every request batched with them.{driver}",
-            100.0 * top1_token_share,
-            100.0 * top1_attention_share,
-            if longest_slow {
-                ", and their p99 TTFT is over 3× the shortest prompts'"
-            } else {
-                ""
-            }
+            "Too few requests to judge a 1% tail ({} requests: the longest 1% is {} request(s)); read this over a few hundred or more. ",
+            points.len(),
+            points.len().div_ceil(100)
         )
     } else {
-        format!(
-            "No separate long-prompt route needed: the longest 1% carry only {:.0}% of prompt tokens.{driver}",
-            100.0 * top1_token_share
-        )
+        String::new()
     };
+    let recommendation = few
+        + &if heavy_tail || longest_slow {
+            format!(
+                "Route prompts above ~{threshold} tokens to their own pool: the longest 1% carry {:.0}% of prompt tokens and {:.0}% of attention work{}, and their prefill delays every request batched with them.{driver}",
+                100.0 * top1_token_share,
+                100.0 * top1_attention_share,
+                if longest_slow {
+                    ", and their p99 TTFT is over 3× the shortest prompts'"
+                } else {
+                    ""
+                }
+            )
+        } else {
+            format!(
+                "No separate long-prompt route needed: the longest 1% carry only {:.0}% of prompt tokens.{driver}",
+                100.0 * top1_token_share
+            )
+        };
     TailReport {
         requests: points.len(),
         prompt_tokens: dist,
@@ -435,7 +455,14 @@ pub fn compare(a: &Value, b: &Value) -> (String, Value) {
     ));
     let mut rows = Vec::new();
     for (name, path) in metrics {
-        let get = |doc: &Value| path.iter().fold(&doc["summary"], |v, k| &v[*k]).as_f64();
+        // A latency measure of no samples (every request failed; a merged result's ITL) is not
+        // a value of 0: it is shown as absent.
+        let get = |doc: &Value| {
+            let empty = path.len() == 2 && doc["summary"][path[0]]["count"].as_u64() == Some(0);
+            (!empty)
+                .then(|| path.iter().fold(&doc["summary"], |v, k| &v[*k]).as_f64())
+                .flatten()
+        };
         let (x, y) = (get(a), get(b));
         if x.is_none() && y.is_none() {
             continue;
@@ -500,12 +527,44 @@ mod tests {
             (64, 128, 99)
         );
         assert_eq!(t.buckets[1].ttft_p99_ms, Some(900.0));
+        // A hundred requests: the tail is one request, and the report says so first.
+        assert!(
+            t.recommendation
+                .starts_with("Too few requests to judge a 1% tail")
+                && t.recommendation.contains("Route prompts above"),
+            "{}",
+            t.recommendation
+        );
+        assert!(t.ttft_vs_length.unwrap() > 0.9);
+        let mut many: Vec<TailPoint> = (0..396).map(|_| pt(100, 10.0)).collect();
+        many.extend((0..4).map(|_| pt(20_000, 900.0)));
+        let t = tail_report(&many);
         assert!(
             t.recommendation.starts_with("Route prompts above"),
             "{}",
             t.recommendation
         );
-        assert!(t.ttft_vs_length.unwrap() > 0.9);
+    }
+
+    #[test]
+    fn a_negative_or_weak_correlation_drives_nothing() {
+        // TTFT falls as more requests are in flight (load does not explain it) and does not
+        // follow length: no driver is named.
+        let pts: Vec<TailPoint> = (0..300)
+            .map(|i| TailPoint {
+                input: 500 + (i % 7) as u32,
+                ttft_ms: Some(50.0 - f64::from(i) / 10.0),
+                at_ms: f64::from(i),
+                end_ms: Some(300.0),
+            })
+            .collect();
+        let t = tail_report(&pts);
+        assert!(t.ttft_vs_load.unwrap() < 0.0, "{:?}", t.ttft_vs_load);
+        assert!(
+            !t.recommendation.contains("TTFT follows"),
+            "{}",
+            t.recommendation
+        );
     }
 
     #[test]

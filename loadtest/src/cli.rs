@@ -148,6 +148,22 @@ pub fn read_trace(path: &Path, format: Option<SourceFormat>) -> anyhow::Result<V
     Ok(records)
 }
 
+/// A replay's `result.json` (or a merge of them), refusing any other JSON by name.
+fn read_result(path: &Path) -> anyhow::Result<Value> {
+    let doc = read_json(path)?;
+    match doc["schema"].as_str() {
+        Some(RESULT_SCHEMA) => Ok(doc),
+        Some("headroom.sweep.v1") => bail!(
+            "{} is a sweep's result: `report compare` takes the result.json of two runs",
+            path.display()
+        ),
+        _ => bail!(
+            "{} is not a replay result (no \"schema\": \"{RESULT_SCHEMA}\")",
+            path.display()
+        ),
+    }
+}
+
 /// An import's records, saying how many rows it left out.
 fn skipped(path: &Path, import: trace::Import) -> Vec<TraceRecord> {
     if import.skipped_empty > 0 {
@@ -1242,7 +1258,7 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
         }
         ReportCommand::Compare(a) => {
             let text = match &a.b {
-                Some(b) => analysis::compare(&read_json(&a.a)?, &read_json(b)?).0,
+                Some(b) => analysis::compare(&read_result(&a.a)?, &read_result(b)?).0,
                 None => {
                     let file = std::fs::File::open(&a.a)
                         .with_context(|| format!("opening {}", a.a.display()))?;

@@ -95,7 +95,7 @@ impl ModelSpec {
     /// `vocab_size`, `tie_word_embeddings`, `max_position_embeddings`.
     pub fn from_hf_config(name: &str, json: &str) -> Result<Self, String> {
         let v: serde_json::Value =
-            serde_json::from_str(json).map_err(|e| format!("config.json is not JSON: {e}"))?;
+            serde_json::from_str(json).map_err(|e| format!("not JSON: {e}"))?;
         // Multimodal configs keep the language model's shape under `text_config`.
         let v = v.get("text_config").unwrap_or(&v);
         let field = |k: &str| -> Result<u32, String> {
@@ -103,9 +103,21 @@ impl ModelSpec {
                 .and_then(serde_json::Value::as_u64)
                 .and_then(|x| u32::try_from(x).ok())
                 .filter(|&x| x > 0)
-                .ok_or_else(|| format!("config.json: `{k}` is missing or not a positive integer"))
+                .ok_or_else(|| {
+                    format!(
+                        "`{k}` is missing or not a positive integer below 2^32 (got {})",
+                        v.get(k)
+                            .map_or_else(|| "nothing".to_owned(), ToString::to_string)
+                    )
+                })
         };
         let heads = field("num_attention_heads")?;
+        let kv_heads = field("num_key_value_heads").unwrap_or(heads);
+        if heads % kv_heads != 0 {
+            return Err(format!(
+                "num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}"
+            ));
+        }
         let hidden = field("hidden_size")?;
         let head_dim = field("head_dim").unwrap_or(hidden / heads);
         Ok(Self {
@@ -113,7 +125,7 @@ impl ModelSpec {
             layers: field("num_hidden_layers")?,
             hidden,
             heads,
-            kv_heads: field("num_key_value_heads").unwrap_or(heads),
+            kv_heads,
             head_dim,
             ffn: field("intermediate_size")?,
             vocab: field("vocab_size")?,
@@ -362,5 +374,17 @@ mod tests {
         assert_eq!(m, ModelSpec::llama_3_1_8b());
         let err = ModelSpec::from_hf_config("x", r#"{"hidden_size": 4096}"#).unwrap_err();
         assert!(err.contains("num_attention_heads"), "{err}");
+        let odd = json.replace("\"num_key_value_heads\": 8", "\"num_key_value_heads\": 7");
+        let err = ModelSpec::from_hf_config("x", &odd).unwrap_err();
+        assert!(
+            err.contains("not a multiple of num_key_value_heads 7"),
+            "{err}"
+        );
+        let huge = json.replace("\"hidden_size\": 4096", "\"hidden_size\": 1e15");
+        let err = ModelSpec::from_hf_config("x", &huge).unwrap_err();
+        assert!(
+            err.contains("`hidden_size`") && err.contains("1000000000000000"),
+            "{err}"
+        );
     }
 }
