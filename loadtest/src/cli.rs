@@ -518,6 +518,29 @@ async fn metrics_text(client: &reqwest::Client, base: &str) -> Option<String> {
         .ok()
 }
 
+/// A flag that the first Ctrl-C sets: the run stops sending, lets the requests in flight finish
+/// for a moment, and saves what finished. A second Ctrl-C quits without saving.
+fn stop_on_interrupt(quiet: bool) -> Arc<std::sync::atomic::AtomicBool> {
+    let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+    let flag = stop.clone();
+    tokio::spawn(async move {
+        if tokio::signal::ctrl_c().await.is_err() {
+            return;
+        }
+        flag.store(true, Ordering::Relaxed);
+        if !quiet {
+            eprintln!(
+                "\nheadroom replay: interrupted: nothing more is sent; the requests in flight get {} s to finish, then what finished is saved (Ctrl-C again quits without saving)",
+                replay::STOP_GRACE.as_secs()
+            );
+        }
+        if tokio::signal::ctrl_c().await.is_ok() {
+            std::process::exit(130);
+        }
+    });
+    stop
+}
+
 /// The longest run or wait a replay accepts.
 const A_YEAR: Duration = Duration::from_secs(365 * 24 * 3600);
 
@@ -526,12 +549,22 @@ const MAX_PROMPT_TOKENS: u64 = 10_000_000;
 
 /// Runs `headroom replay`; returns the path of the result JSON.
 pub async fn run_replay(a: ReplayArgs) -> anyhow::Result<PathBuf> {
-    run_replay_counted(a, Arc::default()).await
+    replay_with(a, Arc::default(), true).await
 }
 
 /// [`run_replay`] counting sends and completions into `counters` as they happen, so a caller
 /// running several replays at once can show one progress line for all of them.
 pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyhow::Result<PathBuf> {
+    replay_with(a, counters, false).await
+}
+
+/// A replay; `interruptible`: the first Ctrl-C stops it and saves what finished (the command
+/// line's replay, which owns the process's Ctrl-C; not a replay run inside another command).
+async fn replay_with(
+    a: ReplayArgs,
+    counters: Arc<Counters>,
+    interruptible: bool,
+) -> anyhow::Result<PathBuf> {
     let mut records = read_trace(&a.trace, None)?;
     let digest = hex(&sha2::Sha256::digest(std::fs::read(&a.trace)?));
     if let Some(n) = a.max_requests {
@@ -714,6 +747,11 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
         run_id: run_id.clone(),
         headers: a.headers.clone(),
         prestage: prestaged,
+        stop: if interruptible {
+            stop_on_interrupt(a.quiet)
+        } else {
+            Arc::default()
+        },
     };
     let lengths = |f: fn(&TraceRecord) -> u32| length_stats(records.iter().map(f));
     let contract = json!({
@@ -770,7 +808,14 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     }
     let progress = (!a.quiet).then(|| spawn_progress(counters.clone(), total));
     let stall_meter = StallMeter::start().context("starting the client stall probe")?;
+    let stop = opts.stop.clone();
     let results = replay::run(records.clone(), opts, counters).await;
+    let interrupted = stop.load(Ordering::Relaxed);
+    let mut contract = contract;
+    if interrupted {
+        // The contract says the run is not the whole of what it planned.
+        contract["interrupted"] = json!({"finished": results.len(), "planned": total});
+    }
     let stalls = stall_meter.finish();
     if let Some(progress) = progress {
         progress.abort();
@@ -826,6 +871,14 @@ pub async fn run_replay_counted(a: ReplayArgs, counters: Arc<Counters>) -> anyho
     if !a.quiet {
         print!("{text}");
         eprintln!("headroom replay: results in {}", a.out.display());
+    }
+    if interrupted {
+        bail!(
+            "interrupted: {} of {} requests finished and are saved in {} (the contract says so)",
+            results.len(),
+            total,
+            a.out.display()
+        );
     }
     if summary.measured > 0 && summary.completed == 0 {
         bail!(
@@ -943,12 +996,18 @@ async fn run_sweep(
         }
         let counters = Arc::new(Counters::default());
         let progress = (!a.quiet).then(|| spawn_progress(counters.clone(), records.len()));
+        let stop = opts.stop.clone();
         let results = replay::run(records.clone(), opts, counters).await;
         if let Some(progress) = progress {
             progress.abort();
             if std::io::stderr().is_terminal() {
                 eprintln!();
             }
+        }
+        if stop.load(Ordering::Relaxed) {
+            // A level cut short measures nothing it claims: the sweep keeps the levels it finished.
+            contract["interrupted"] = json!({"levels_finished": points.len()});
+            break;
         }
         let summary = report::summarize(&results, slo);
         if !a.quiet {
@@ -1008,6 +1067,13 @@ async fn run_sweep(
     if !a.quiet {
         print!("{text}");
         eprintln!("headroom replay: sweep results in {}", a.out.display());
+    }
+    if !contract["interrupted"].is_null() {
+        bail!(
+            "interrupted: the {} levels that finished are saved in {}",
+            points.len(),
+            a.out.display()
+        );
     }
     Ok(path)
 }

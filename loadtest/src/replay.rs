@@ -15,7 +15,7 @@
 
 use std::collections::VecDeque;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::{Duration, Instant};
 
 use headroom_workload::trace::TraceRecord;
@@ -82,7 +82,14 @@ pub struct ReplayOptions {
     /// the last byte on time, so that the server holds a burst of large requests complete on
     /// schedule; send times and client timings then start at the last byte.
     pub prestage: bool,
+    /// Set to stop the run early (an interrupt): nothing more is sent, the requests in flight
+    /// get [`STOP_GRACE`] to finish, and what finished is returned.
+    pub stop: Arc<AtomicBool>,
 }
+
+/// How long the requests in flight may still finish once a run is stopped; the rest are cut and
+/// left out of its results.
+pub const STOP_GRACE: Duration = Duration::from_secs(5);
 
 /// One request's outcome with its place in the plan.
 #[derive(Debug, Clone)]
@@ -352,7 +359,7 @@ async fn open_loop(
                 // It keeps off by sleeping, in the normal scheduling class: in the idle class it
                 // starved on a saturated core, the dispatcher ran dry and sends went late.
                 for (index, &at) in offsets.iter().enumerate() {
-                    if deadline.is_some_and(|d| shared.start + at > d) {
+                    if deadline.is_some_and(|d| shared.start + at > d) || stopped(&shared) {
                         break;
                     }
                     keep_off_sends(&shared, &offsets, &released, index);
@@ -384,12 +391,25 @@ async fn open_loop(
     let _ = builder.join();
     let _ = dispatcher.join();
     let mut out = Vec::with_capacity(handles.len());
-    for h in handles {
-        if let Ok(r) = h.await {
+    let mut grace = None;
+    for mut h in handles {
+        if stopped(&shared) {
+            let until = *grace.get_or_insert_with(|| tokio::time::Instant::now() + STOP_GRACE);
+            match tokio::time::timeout_at(until, &mut h).await {
+                Ok(Ok(r)) => out.push(r),
+                Ok(Err(_)) => {}
+                Err(_) => h.abort(),
+            }
+        } else if let Ok(r) = h.await {
             out.push(r);
         }
     }
     out
+}
+
+/// Whether the run was stopped early.
+fn stopped(shared: &Shared) -> bool {
+    shared.opts.stop.load(Ordering::Relaxed)
 }
 
 /// The dispatcher thread's loop: hands each prepared request to the runtime [`EARLY_RELEASE`]
@@ -409,6 +429,10 @@ fn dispatch(
     let mut more = true;
     let mut last_due = None;
     loop {
+        if stopped(shared) {
+            // Requests handed over but not let go wait for their time on the runtime's timer.
+            return;
+        }
         if next.is_none() && more {
             // Waiting for the builder must not hold back a release that falls due meanwhile.
             let got = match waiting.front() {
@@ -520,14 +544,15 @@ async fn closed_loop(
     deadline: Option<Instant>,
 ) -> Vec<RequestResult> {
     let next = Arc::new(AtomicUsize::new(0));
+    let done = Arc::new(std::sync::Mutex::new(Vec::new()));
     let mut workers = Vec::new();
     for _ in 0..concurrency {
         let shared = shared.clone();
         let next = next.clone();
+        let done = done.clone();
         workers.push(tokio::spawn(async move {
-            let mut out = Vec::new();
             loop {
-                if deadline.is_some_and(|d| Instant::now() >= d) {
+                if deadline.is_some_and(|d| Instant::now() >= d) || stopped(&shared) {
                     break;
                 }
                 let index = next.fetch_add(1, Ordering::Relaxed);
@@ -535,16 +560,28 @@ async fn closed_loop(
                     break;
                 }
                 let body = body_bytes(&shared, index);
-                out.push(send_one(shared.clone(), index, None, None, body).await);
+                let result = send_one(shared.clone(), index, None, None, body).await;
+                // Kept outside the worker: a worker cut after a stop loses only its request in flight.
+                lock(&done).push(result);
             }
-            out
         }));
     }
-    let mut out = Vec::new();
-    for w in workers {
-        out.extend(w.await.unwrap_or_default());
+    let mut grace = None;
+    for mut w in workers {
+        if stopped(&shared) {
+            let until = *grace.get_or_insert_with(|| tokio::time::Instant::now() + STOP_GRACE);
+            if tokio::time::timeout_at(until, &mut w).await.is_err() {
+                w.abort();
+            }
+        } else {
+            let _ = w.await;
+        }
     }
-    out
+    std::mem::take(&mut *lock(&done))
+}
+
+fn lock<T>(m: &std::sync::Mutex<T>) -> std::sync::MutexGuard<'_, T> {
+    m.lock().unwrap_or_else(|e| e.into_inner())
 }
 
 #[cfg(test)]
@@ -685,6 +722,7 @@ mod tests {
             run_id: "r".into(),
             headers: Vec::new(),
             prestage: false,
+            stop: Default::default(),
         };
         let b = body_for(&r, &opts);
         assert_eq!(b["max_completion_tokens"], 7);

@@ -273,3 +273,52 @@ async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
             .any(|b| !b["ttft_p99_ms"].is_null())
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_run_sends_nothing_more_and_returns_what_finished() {
+    use headroom_loadtest::replay::{self, Arrivals, ReplayOptions, STOP_GRACE};
+    use headroom_loadtest::synth::Endpoint;
+    use std::sync::Arc;
+    use std::sync::atomic::{AtomicBool, Ordering};
+    use std::time::{Duration, Instant};
+
+    let r = sim().await;
+    // 400 requests over 20 s; the run is stopped half a second in.
+    let records = synthesize(Contract::Chat, 400, 20.0, 5);
+    let stop = Arc::new(AtomicBool::new(false));
+    let opts = ReplayOptions {
+        targets: vec![r.url()],
+        endpoint: Endpoint::Chat,
+        model: None,
+        arrivals: Arrivals::Trace { time_scale: 1.0 },
+        duration: None,
+        warmup: 0,
+        seed: 1,
+        prompt_salt: 1,
+        plan: None,
+        rows: None,
+        timeout: Duration::from_secs(30),
+        run_id: "stopped".into(),
+        headers: Vec::new(),
+        prestage: false,
+        stop: stop.clone(),
+    };
+    let flag = stop.clone();
+    tokio::spawn(async move {
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        flag.store(true, Ordering::Relaxed);
+    });
+    let t0 = Instant::now();
+    let results = replay::run(records, opts, Arc::default()).await;
+    assert!(
+        t0.elapsed() < Duration::from_millis(500) + STOP_GRACE + Duration::from_secs(2),
+        "{:?}",
+        t0.elapsed()
+    );
+    assert!(
+        !results.is_empty() && results.len() < 100,
+        "{} results",
+        results.len()
+    );
+    assert!(results.iter().all(|r| r.timing.failure.is_none()));
+}

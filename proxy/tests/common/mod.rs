@@ -121,6 +121,7 @@ pub fn options(target: String, seed: u64, time_scale: f64) -> ReplayOptions {
         run_id: format!("m{seed}"),
         headers: Vec::new(),
         prestage: false,
+        stop: Default::default(),
     }
 }
 
