@@ -512,7 +512,9 @@ pub fn to_csv(rows: &[RequestRow]) -> String {
             .error
             .as_deref()
             .unwrap_or("")
-            .replace(['"', '\n', '\r'], " ");
+            // One line per row; a quote inside the quoted field is doubled (RFC 4180).
+            .replace(['\n', '\r'], " ")
+            .replace('"', "\"\"");
         out.push_str(&format!(
             "{},{},{},{},{:.3},{},\"{}\",{},{},{},{:.3},{},{},{},{}\n",
             r.index,
@@ -580,6 +582,21 @@ mod tests {
     use std::time::Duration;
 
     use super::*;
+
+    #[test]
+    fn a_csv_error_field_keeps_its_quotes_doubled_on_one_line() {
+        let row = RequestRow {
+            error: Some("{\"error\": {\"message\": \"max_tokens\"}}\nmore".into()),
+            ..RequestRow::default()
+        };
+        let csv = to_csv(&[row]);
+        let line = csv.lines().nth(1).unwrap();
+        assert!(
+            line.contains(r#""{""error"": {""message"": ""max_tokens""}} more""#),
+            "{line}"
+        );
+        assert_eq!(csv.lines().count(), 2);
+    }
     use crate::client::{Failure, Timing};
 
     #[test]

@@ -315,10 +315,19 @@ fn parse_datetime_ms(s: &str) -> Option<f64> {
 }
 
 /// Splits a CSV header into column indices by name.
-fn columns(header: &str, wanted: &[&str]) -> Result<Vec<usize>, TraceError> {
+fn columns(header: &[&str], wanted: &[&str]) -> Result<Vec<usize>, TraceError> {
     let names: Vec<String> = header
-        .split(',')
-        .map(|c| c.trim().trim_matches('"').to_ascii_lowercase())
+        .iter()
+        .enumerate()
+        // A byte-order mark some tools write before the header is not part of the first name.
+        .map(|(i, c)| {
+            let c = if i == 0 {
+                c.trim_start_matches('\u{feff}')
+            } else {
+                c
+            };
+            c.trim().to_ascii_lowercase()
+        })
         .collect();
     wanted
         .iter()
@@ -337,54 +346,69 @@ fn columns(header: &str, wanted: &[&str]) -> Result<Vec<usize>, TraceError> {
 /// One CSV data row: its line number and a field getter by column index.
 struct CsvRow<'a> {
     line: usize,
-    text: &'a str,
-    fields: Vec<&'a str>,
+    fields: &'a csv::StringRecord,
 }
 
 impl CsvRow<'_> {
     fn get(&self, col: usize) -> &str {
-        self.fields.get(col).copied().unwrap_or("").trim()
+        self.fields.get(col).unwrap_or("").trim()
     }
 
     fn parse<T: std::str::FromStr>(&self, col: usize, what: &str) -> Result<T, TraceError> {
         self.get(col).parse().map_err(|_| TraceError::Invalid {
             line: self.line,
-            reason: format!("bad {what}: {:?}", self.text),
+            reason: format!("bad {what}: {:?}", self.get(col)),
         })
     }
 }
 
-/// Reads a CSV with a header naming `required` columns (and `optional` ones, when present),
-/// calling `row` for every non-blank data line with the column indices found.
+/// Reads a CSV (RFC 4180: quoted fields may hold commas and quotes) with a header naming
+/// `required` columns (and `optional` ones, when present), calling `row` for every non-blank data
+/// line with the column indices found.
 fn read_csv(
     reader: impl BufRead,
     required: &[&str],
     optional: &[&str],
     mut row: impl FnMut(&CsvRow<'_>, &[usize], &[Option<usize>]) -> Result<(), TraceError>,
 ) -> Result<(), TraceError> {
-    let mut lines = reader.lines();
-    let header = match lines.next() {
-        Some(h) => h.map_err(|error| TraceError::Io { line: 1, error })?,
+    let mut csv = csv::ReaderBuilder::new()
+        .has_headers(false)
+        .flexible(true)
+        .from_reader(reader);
+    let line_of = |r: &csv::StringRecord| r.position().map_or(0, |p| p.line() as usize);
+    let invalid = |e: csv::Error| {
+        let line = e.position().map_or(0, |p| p.line() as usize);
+        match e.into_kind() {
+            csv::ErrorKind::Io(error) => TraceError::Io { line, error },
+            csv::ErrorKind::Utf8 { .. } => TraceError::Invalid {
+                line,
+                reason: "not UTF-8 text (a compressed file? decompress it first)".into(),
+            },
+            other => TraceError::Invalid {
+                line,
+                reason: format!("{other:?}"),
+            },
+        }
+    };
+    let mut records = csv.records();
+    let header = match records.next() {
+        Some(h) => h.map_err(invalid)?,
         None => return Ok(()),
     };
-    let cols = columns(&header, required)?;
+    let names: Vec<&str> = header.iter().collect();
+    let cols = columns(&names, required)?;
     let opt: Vec<Option<usize>> = optional
         .iter()
-        .map(|c| columns(&header, &[c]).ok().map(|v| v[0]))
+        .map(|c| columns(&names, &[c]).ok().map(|v| v[0]))
         .collect();
-    for (i, line) in lines.enumerate() {
-        let line_no = i + 2;
-        let text = line.map_err(|error| TraceError::Io {
-            line: line_no,
-            error,
-        })?;
-        if text.trim().is_empty() {
+    for record in records {
+        let record = record.map_err(invalid)?;
+        if record.iter().all(|f| f.trim().is_empty()) {
             continue;
         }
         let r = CsvRow {
-            line: line_no,
-            text: &text,
-            fields: text.split(',').collect(),
+            line: line_of(&record),
+            fields: &record,
         };
         row(&r, &cols, &opt)?;
     }
@@ -632,6 +656,20 @@ mod tests {
         }
         let leap = "TIMESTAMP,ContextTokens,GeneratedTokens\n2024-02-29 10:00:00,10,5\n";
         assert_eq!(import_azure(leap.as_bytes()).unwrap().records.len(), 1);
+    }
+
+    #[test]
+    fn csv_fields_may_be_quoted_and_the_header_may_start_with_a_bom() {
+        let csv = "\u{feff}Timestamp,Model,Request tokens,Response tokens\n0,\"GPT-4, turbo\",10,5\n1,\"say \"\"hi\"\"\",\"20\",5\n";
+        let recs = import_burstgpt(csv.as_bytes()).unwrap().records;
+        assert_eq!(recs[0].model.as_deref(), Some("GPT-4, turbo"));
+        assert_eq!(recs[1].model.as_deref(), Some("say \"hi\""));
+        assert_eq!(recs[1].input_length, 20);
+        let err =
+            import_burstgpt("Timestamp,Model,Request tokens,Response tokens\n0,m,x,5\n".as_bytes())
+                .unwrap_err()
+                .to_string();
+        assert_eq!(err, "line 2: bad Request tokens: \"x\"");
     }
 
     #[test]
