@@ -174,6 +174,47 @@ fn carry_on(mut next: Option<(Arc<Admission>, usize)>, taken: bool, tokens: u64)
     }
 }
 
+/// Where the replica ids of one admission are in another that replaced it (after reloads).
+#[derive(Debug, Clone)]
+struct Mapping {
+    /// `to[id]`: the replica's id in the admission now in use (None: dropped by a reload).
+    to: Vec<Option<usize>>,
+}
+
+impl Mapping {
+    fn identity(n: usize) -> Self {
+        Self {
+            to: (0..n).map(Some).collect(),
+        }
+    }
+
+    /// This mapping followed by a reload's (`next[id]`: the id there).
+    fn then(&self, next: &[Option<usize>]) -> Self {
+        Self {
+            to: self
+                .to
+                .iter()
+                .map(|t| t.and_then(|i| next.get(i).copied().flatten()))
+                .collect(),
+        }
+    }
+
+    /// A set of the original ids as the ids of the admission now in use (empty: every replica).
+    fn carry(&self, set: &Reach) -> Reach {
+        if set.is_empty() {
+            return set.clone();
+        }
+        let n = self.to.iter().flatten().max().map_or(0, |m| m + 1);
+        let mut out = vec![false; n];
+        for (i, to) in self.to.iter().enumerate() {
+            if let (Some(j), true) = (to, reaches(set, i)) {
+                out[*j] = true;
+            }
+        }
+        out.into()
+    }
+}
+
 /// The fleet's admission state.
 #[derive(Debug)]
 pub struct Admission {
@@ -374,13 +415,41 @@ impl Admission {
         mut pick: impl FnMut(&[Room]) -> Result<Pick, E>,
     ) -> Result<Permit, Result<Refusal, E>> {
         let deadline = tokio::time::Instant::now() + ask.timeout;
+        // Where the request waits: this admission until a reload replaces it, then the one that
+        // replaced it (`here` maps this admission's replica ids, which `pick` speaks, to its).
+        let mut adm = self.clone();
+        let mut here = Mapping::identity(self.lock().slots.len());
+        let (mut claim, mut reach) = (ask.claim.clone(), ask.reach.clone());
         // Our place in the queue, once we have one; dropped on every way out (admitted, refused,
         // timed out, or the client gone while waiting), it leaves the queue.
         let mut entry: Option<QueueEntry<'_>> = None;
         let mut woken = false;
+        // Moved from a replaced admission's queue: already queued, never refused as queue_full.
+        let mut moved = false;
         loop {
             let rx = {
-                let mut g = self.lock();
+                let mut g = adm.lock();
+                if let Some(next) = g
+                    .successor
+                    .as_ref()
+                    .map(|s| (s.admission.clone(), s.slots.clone()))
+                {
+                    // A reload replaced this admission: the request waits in the new one, counted
+                    // with the new config's requests, under its caps and in its priority order.
+                    if let Some(mut e) = entry.take() {
+                        e.armed = false;
+                        g.waiters.remove(&e.key);
+                        release_queue_entry(&mut g, ask.class);
+                        moved = true;
+                    }
+                    drop(g);
+                    here = here.then(&next.1);
+                    claim = here.carry(&ask.claim);
+                    reach = here.carry(&ask.reach);
+                    adm = next.0;
+                    woken = false;
+                    continue;
+                }
                 // A woken waiter was chosen by the releaser; anyone else takes no slot that a
                 // waiter of its priority or higher could use.
                 let held_back = if woken || g.waiters.is_empty() {
@@ -389,11 +458,19 @@ impl Admission {
                     Some(contested(&g, ask.priority))
                 };
                 let mut passed_over = false;
-                let room: Vec<Room> = g
-                    .slots
-                    .iter_mut()
-                    .enumerate()
-                    .map(|(b, s)| {
+                let room: Vec<Room> = here
+                    .to
+                    .iter()
+                    .map(|to| {
+                        let Some(b) = *to else {
+                            // The new config dropped this replica.
+                            return Room {
+                                free: false,
+                                in_flight: 0,
+                                cap: Some(0),
+                            };
+                        };
+                        let s = &mut g.slots[b];
                         let mut free = s.cap.has_room(s.in_flight) && s.tokens_fit(ask.tokens);
                         if free && held_back.as_ref().is_some_and(|h| h[b]) {
                             free = false;
@@ -408,7 +485,10 @@ impl Admission {
                     .collect();
                 match pick(&room) {
                     Err(e) => return Err(Err(e)),
-                    Ok(Pick::Backend(b)) => {
+                    Ok(Pick::Backend(picked)) => {
+                        let Some(b) = here.to.get(picked).copied().flatten() else {
+                            return Err(Ok(Refusal::QueueTimeout));
+                        };
                         g.slots[b].take(ask.tokens);
                         if let Some(mut e) = entry.take() {
                             // Left the queue here, under the lock already held.
@@ -421,7 +501,7 @@ impl Admission {
                         drop(g);
                         carry_on(onward, true, ask.tokens);
                         return Ok(Permit {
-                            admission: self.clone(),
+                            admission: adm.clone(),
                             backend: b,
                             tokens: ask.tokens,
                         });
@@ -432,7 +512,7 @@ impl Admission {
                     .slots
                     .iter()
                     .enumerate()
-                    .any(|(b, s)| reaches(&ask.claim, b) && s.open());
+                    .any(|(b, s)| reaches(&claim, b) && s.open());
                 if woken && !own_open {
                     // Woken for a slot this request cannot use (a borrowed one above its floor,
                     // or one taken meanwhile): the wake goes on to those behind it.
@@ -448,14 +528,14 @@ impl Admission {
                     Some(e) => e.key,
                     None => {
                         let queued = g.queued_by_class.get(ask.class).copied().unwrap_or(0);
-                        if queued >= ask.max_queue {
+                        if queued >= ask.max_queue && !moved {
                             return Err(Ok(Refusal::QueueFull));
                         }
                         *g.queued_by_class.entry(ask.class.to_owned()).or_default() += 1;
                         let k = (std::cmp::Reverse(ask.priority), g.next_seq);
                         g.next_seq += 1;
                         entry = Some(QueueEntry {
-                            admission: self,
+                            admission: adm.clone(),
                             key: k,
                             class: ask.class,
                             armed: true,
@@ -469,8 +549,8 @@ impl Admission {
                     Waiter {
                         tx,
                         since: tokio::time::Instant::now(),
-                        claim: ask.claim.clone(),
-                        reach: ask.reach.clone(),
+                        claim: claim.clone(),
+                        reach: reach.clone(),
                     },
                 );
                 rx
@@ -482,7 +562,6 @@ impl Admission {
             }
         }
     }
-
     /// Seconds a refused client should wait: the queue ahead over the recent completion rate
     /// (one a second until completions have been timed), between 1 and 60.
     pub fn retry_after(&self) -> u32 {
@@ -592,8 +671,9 @@ impl Admission {
     /// there too, so a reload neither forgets the requests still running under the old config
     /// nor admits a full new set beside them. With `learned`, each such replica's cap, the
     /// context its requests take and its token budget come over too (for unchanged settings the
-    /// cap derives from; otherwise they start from the new config). Requests still queued here are
-    /// admitted by this admission's own counts, which leave out the new config's requests.
+    /// cap derives from; otherwise they start from the new config). Requests still queued here
+    /// move to `next`'s queue, where they wait under its caps and in its priority order beside the
+    /// new config's requests.
     pub fn hand_over(
         self: &Arc<Self>,
         next: &Arc<Admission>,
@@ -627,6 +707,10 @@ impl Admission {
             admission: next.clone(),
             slots,
         });
+        // Every request still waiting here moves to the new admission's queue (see `acquire`).
+        for (_, w) in std::mem::take(&mut g.waiters) {
+            let _ = w.tx.send(());
+        }
     }
 
     /// Requests waiting, by class.
@@ -639,7 +723,7 @@ impl Admission {
 /// while it waited), it takes its waiter out and, if a wake was already on its way to it, hands
 /// that wake to the next in line, so no slot is left unclaimed.
 struct QueueEntry<'a> {
-    admission: &'a Admission,
+    admission: Arc<Admission>,
     key: WaitKey,
     class: &'a str,
     /// Cleared when the request leaves the queue admitted (released under the lock then).
@@ -799,6 +883,50 @@ mod tests {
         assert!(!borrower.is_finished());
         drop(held_a);
         assert_eq!(borrower.await.unwrap().unwrap().backend, 0);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn requests_queued_before_a_reload_wait_under_the_new_caps_and_priorities() {
+        let old = admission(1, 1);
+        let running = old.acquire(&ask("batch", 0), first).await.unwrap();
+        let wait = |a: &Arc<Admission>, priority: i32| {
+            let a = a.clone();
+            tokio::spawn(async move {
+                let mut asked = ask("batch", priority);
+                asked.max_queue = 8;
+                a.acquire(&asked, first).await
+            })
+        };
+        let low: Vec<_> = (0..3).map(|_| wait(&old, 0)).collect();
+        tokio::task::yield_now().await;
+        assert_eq!(old.queued().get("batch"), Some(&3));
+        // The reload keeps the cap at 1: the three move to the new queue, and a request of higher
+        // priority that arrives after them still goes first.
+        let new = admission(1, 1);
+        old.hand_over(&new, &[(0, 0)], false);
+        tokio::task::yield_now().await;
+        assert!(old.queued().is_empty());
+        assert_eq!(new.queued().get("batch"), Some(&3));
+        let high = wait(&new, 10);
+        tokio::task::yield_now().await;
+        drop(running);
+        let h = high.await.unwrap().unwrap();
+        assert!(low.iter().all(|l| !l.is_finished()));
+        assert_eq!(new.slots(), vec![(Some(1), 1)]);
+        // A reload that raises the cap to 3 lets the waiting ones in at once.
+        let newer = admission(1, 3);
+        new.hand_over(&newer, &[(0, 0)], false);
+        let mut low = low.into_iter();
+        let mut admitted = Vec::new();
+        for l in low.by_ref().take(2) {
+            admitted.push(l.await.unwrap().unwrap());
+        }
+        assert_eq!(newer.slots(), vec![(Some(3), 3)]);
+        drop((h, admitted));
+        let last = low.next().unwrap().await.unwrap().unwrap();
+        assert_eq!(newer.slots(), vec![(Some(3), 1)]);
+        drop(last);
+        assert_eq!(newer.slots(), vec![(Some(3), 0)]);
     }
 
     #[tokio::test(start_paused = true)]
@@ -1036,18 +1164,33 @@ mod tests {
         drop(first_old);
         let admitted = waiting.await.unwrap().unwrap();
         assert_eq!(new.slots()[0], (Some(2), 2));
-        // A permit the old admission still grants (a request queued there before the reload)
-        // counts in the new one too, and through a second reload into the newest.
-        let late = old.acquire(&ask("c", 0), kept).await.unwrap();
-        assert_eq!(new.slots()[0], (Some(2), 3));
+        // A request that asks the old admission after the reload (one that was queued there, or
+        // raced it) waits in the new one's queue under the new cap, and through a second reload
+        // in the newest's.
+        let old2 = old.clone();
+        let late = tokio::spawn(async move { old2.acquire(&ask("c", 0), kept).await });
+        tokio::task::yield_now().await;
+        assert_eq!(
+            new.queued().values().sum::<usize>(),
+            1,
+            "moved to the new queue"
+        );
+        assert_eq!(new.slots()[0], (Some(2), 2), "the new cap holds");
         let newest = admission(1, 8);
         new.hand_over(&newest, &[(0, 0)], true);
         assert_eq!(
             newest.slots(),
-            vec![(Some(2), 3)],
+            vec![(Some(2), 2)],
             "learned: the cap came over"
         );
-        drop((late, second_old));
+        tokio::task::yield_now().await;
+        assert_eq!(newest.queued().values().sum::<usize>(), 1, "moved again");
+        assert!(new.queued().is_empty());
+        drop(second_old);
+        let late = late.await.unwrap().unwrap();
+        assert_eq!(late.backend, 0);
+        assert_eq!(newest.slots(), vec![(Some(2), 2)]);
+        drop(late);
         assert_eq!(new.slots()[0], (Some(2), 1));
         assert_eq!(newest.slots(), vec![(Some(2), 1)]);
         drop(admitted);
