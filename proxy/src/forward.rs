@@ -309,6 +309,7 @@ impl Headroom {
                             }),
                         claim: plan.claim.clone(),
                         reach: plan.reach.clone(),
+                        borrow_below: plan.borrow_below,
                     };
                     let mut chosen = None;
                     let acquired = {

@@ -193,7 +193,7 @@ impl ServeHandle {
                 // Requests still queued were never sent: they are answered (503, retry
                 // elsewhere) rather than cut with the rest.
                 let queued = self.lifecycle.waiting();
-                let rest = self.lifecycle.open() - queued;
+                let rest = (self.lifecycle.open() - queued).max(0);
                 self.lifecycle.close_queue();
                 if queued > 0 {
                     let answered =

@@ -20,7 +20,7 @@
 //!   room       = KV usage or running unknown ∨ usage · (running + α) / running ≤ kv_raise_below
 //!   ¬pressure ∧ ¬queue ∧ room ∧ the cap turned work away since the last scrape
 //!                                                     → cap ← min(max_cap, cap + α)
-//!   a plan that would raise the cap while the engine holds a queue moves the anchor, not the cap
+//!   a plan that would raise the cap while the engine holds a queue waits until the queue clears
 //! ```
 //!
 //! A standing engine queue is work the proxy should be holding: in its queue it waits in priority
@@ -159,16 +159,18 @@ impl CapController {
         if (ratio - 1.0).abs() <= REPLAN_STEP {
             return Change::Held;
         }
-        self.plan = Some(plan);
         let Some(cap) = self.cap else {
+            self.plan = Some(plan);
             self.cap = Some(bounded(plan));
             return Change::Held;
         };
         let next = bounded((f64::from(cap) * ratio).round() as u32);
         if next > cap && self.queue {
-            // More fits in the cache, but the engine already holds a queue it cannot run.
+            // More fits in the cache, but the engine already holds a queue it cannot run: the
+            // plan is not followed yet (nor taken as the anchor), and is once the queue clears.
             return Change::Held;
         }
+        self.plan = Some(plan);
         self.cap = Some(next);
         match next.cmp(&cap) {
             std::cmp::Ordering::Greater => Change::Raised,
@@ -269,6 +271,7 @@ mod tests {
                 running: Some(running),
             }
         };
+        assert_eq!(c.replan(40), Change::Held, "the first plan anchors");
         let mut caps = Vec::new();
         for i in 0..30 {
             let cap = c.cap().unwrap();
@@ -285,6 +288,17 @@ mod tests {
         // Cut to what it runs plus α at the second scrape, then within α of it from there on.
         assert_eq!(caps[1], 6, "{caps:?}");
         assert!(caps[2..].iter().all(|&c| (5..=7).contains(&c)), "{caps:?}");
+        // The queue clears (the clients went away): the plan held back is followed.
+        let idle = Feedback {
+            preemptions_total: Some(0.0),
+            kv_usage: Some(0.01),
+            waiting: Some(0.0),
+            running: Some(1.0),
+        };
+        c.on_feedback(idle);
+        let before = c.cap().unwrap();
+        assert_eq!(c.replan(400), Change::Raised);
+        assert_eq!(c.cap(), Some(before * 10));
         // A busy healthy engine (a few requests arrived since its last step) is no queue: the cap
         // still rises while it binds.
         let mut c = CapController::new(Some(150), CapParams::default());

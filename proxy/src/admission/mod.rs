@@ -12,19 +12,21 @@
 //!                  else queue full  → Refused(queue_full, 429)
 //!                  else wait, woken when a permit is released or a cap rises; at the deadline
 //!                       → Refused(queue_timeout, 503)
-//! Permit::drop:    the replica's count falls and the next waiter is woken: among the waiters
-//!                  whose reach has a replica with room, the first of the highest priority, or,
-//!                  once that one has waited longer than lifo_after, the newest of that priority
-//!                  (adaptive LIFO: under overload the requests with the most time left are served
-//!                  and the oldest time out, instead of every request waiting nearly its whole
-//!                  deadline)
+//! Permit::drop:    the replica's count falls and the next waiter that can take it is woken: one
+//!                  that claims it, or borrows it while it is below the borrower's floor; the
+//!                  first of the highest priority, or, once that one has waited longer than
+//!                  lifo_after, the newest of that priority (adaptive LIFO: under overload the
+//!                  requests with the most time left are served and the oldest time out, instead
+//!                  of every request waiting nearly its whole deadline)
+//! woken, no room:  the wake passes on (at most MAX_PASSES times) to a waiter the woken one does
+//!                  not hold back: not of its own pool at its priority or lower
+//! leaving queue:   a waiter that leaves (timed out, client gone) wakes one that may now fit
 //! ```
 //!
 //! Pools share one queue, but a waiter holds back only the requests that would take a slot on
 //! its own pool's replicas: a batch request does not wait behind an interactive one when their
-//! pools have no replica in common, and a release wakes a waiter whose reach it is in. A woken
-//! waiter that cannot use any slot of its own pool passes the wake on to those behind it; one that
-//! has such a slot but does not fit it (the token budget) keeps its place at the head, as before.
+//! pools have no replica in common. Within a pool a waiter that cannot fit (the token budget) keeps
+//! its place ahead of smaller requests of its priority or lower, as a queue's head does.
 //!
 //! The counts are the proxy's own (dispatch decisions cannot wait for scraped metrics), and the
 //! permit is a guard: however the request ends, dropping it releases the slot.
@@ -53,11 +55,46 @@ type WaitKey = (std::cmp::Reverse<i32>, u64);
 
 #[derive(Debug)]
 struct Waiter {
-    tx: oneshot::Sender<()>,
+    /// Wakes it, saying how many times the wake was passed on before (see [`For::PassedOn`]).
+    tx: oneshot::Sender<u8>,
     since: tokio::time::Instant,
     claim: Reach,
     reach: Reach,
+    /// A borrowed replica (in `reach`, not `claim`) is usable below this fraction of its cap.
+    borrow_below: f64,
 }
+
+impl Waiter {
+    /// Whether it could take a slot on replica `b` now.
+    fn can_use(&self, b: usize, s: &Slot) -> bool {
+        s.open()
+            && (reaches(&self.claim, b)
+                || reaches(&self.reach, b)
+                    && s.cap
+                        .cap()
+                        .is_none_or(|c| f64::from(s.in_flight) < self.borrow_below * f64::from(c)))
+    }
+}
+
+/// Which waiter a wake is for.
+#[derive(Debug, Clone, Copy)]
+enum For<'a> {
+    /// One that can use some replica now.
+    Any,
+    /// One that can use this replica (it was released, or its cap or budget grew).
+    Replica(usize),
+    /// A wake passed on by a woken waiter that could not use it: one that can use some replica
+    /// and is not held back by the passer (a waiter of the passer's own pool at its priority or
+    /// lower waits behind it anyway); `hops` passes so far, at most [`MAX_PASSES`].
+    PassedOn {
+        claim: &'a [bool],
+        priority: i32,
+        hops: u8,
+    },
+}
+
+/// How many times one wake is passed on at most: each pass is a waiter that could not use it.
+const MAX_PASSES: u8 = 4;
 
 /// A set of replicas, by replica id; empty: every replica.
 pub type Reach = Arc<[bool]>;
@@ -168,7 +205,7 @@ fn carry_on(mut next: Option<(Arc<Admission>, usize)>, taken: bool, tokens: u64)
             g.slots[b].take(tokens);
         } else {
             g.slots[b].release(tokens);
-            wake(&mut g, 1, None);
+            wake(&mut g, 1, For::Replica(b));
         }
         next = g.onward(b);
     }
@@ -199,16 +236,14 @@ impl Mapping {
         }
     }
 
-    /// A set of the original ids as the ids of the admission now in use (empty: every replica).
-    fn carry(&self, set: &Reach) -> Reach {
-        if set.is_empty() {
-            return set.clone();
-        }
-        let n = self.to.iter().flatten().max().map_or(0, |m| m + 1);
+    /// A set of the original ids as ids of the admission now in use, which has `n` replicas.
+    fn carry(&self, set: &Reach, n: usize) -> Reach {
         let mut out = vec![false; n];
         for (i, to) in self.to.iter().enumerate() {
             if let (Some(j), true) = (to, reaches(set, i)) {
-                out[*j] = true;
+                if let Some(o) = out.get_mut(*j) {
+                    *o = true;
+                }
             }
         }
         out.into()
@@ -239,18 +274,16 @@ impl Drop for Permit {
             g.done_rate = 0.9 * g.done_rate + 0.1 / dt;
         }
         g.last_done = Some(now);
-        wake(&mut g, 1, None);
+        wake(&mut g, 1, For::Replica(self.backend));
         let onward = g.onward(self.backend);
         drop(g);
         carry_on(onward, false, self.tokens);
     }
 }
 
-/// Wakes up to `n` waiters that could use a replica with room now (behind `after` only, when
-/// given: a wake passed on): the first of the highest priority, or the newest of that priority
-/// once the first has waited longer than `lifo_after`.
-fn wake(g: &mut Inner, n: usize, after: Option<WaitKey>) {
-    use std::ops::Bound::{Excluded, Unbounded};
+/// Wakes up to `n` waiters `target` describes: the first of the highest priority, or the newest of
+/// that priority once the first has waited longer than `lifo_after`.
+fn wake(g: &mut Inner, n: usize, target: For<'_>) {
     for _ in 0..n {
         let Inner {
             slots,
@@ -258,42 +291,62 @@ fn wake(g: &mut Inner, n: usize, after: Option<WaitKey>) {
             lifo_after,
             ..
         } = &mut *g;
-        if !slots.iter().any(Slot::open) {
+        let open = |b: usize| slots.get(b).is_some_and(Slot::open);
+        let any_open = match target {
+            For::Replica(b) => open(b),
+            For::Any | For::PassedOn { .. } => slots.iter().any(Slot::open),
+        };
+        if !any_open {
             return;
         }
-        // Waiters of one pool share their reach: it is checked once per run of them.
-        let mut last: Option<(*const bool, bool)> = None;
-        let mut can_use = |w: &Waiter| {
-            let ptr = w.reach.as_ptr();
+        // Waiters of one pool share their sets: they are checked once per run of them.
+        let mut last: Option<(*const bool, *const bool, bool)> = None;
+        let mut eligible = |key: &WaitKey, w: &Waiter| {
+            if let For::PassedOn {
+                claim, priority, ..
+            } = target
+            {
+                let held_back = key.0.0 <= priority
+                    && (0..slots.len()).any(|b| reaches(claim, b) && reaches(&w.claim, b));
+                if held_back {
+                    return false;
+                }
+            }
+            let ptrs = (w.claim.as_ptr(), w.reach.as_ptr());
             match last {
-                Some((p, ok)) if p == ptr => ok,
+                Some((c, r, ok)) if (c, r) == ptrs => ok,
                 _ => {
-                    let ok = slots
-                        .iter()
-                        .enumerate()
-                        .any(|(b, s)| reaches(&w.reach, b) && s.open());
-                    last = Some((ptr, ok));
+                    let ok = match target {
+                        For::Replica(b) => w.can_use(b, &slots[b]),
+                        For::Any | For::PassedOn { .. } => {
+                            slots.iter().enumerate().any(|(b, s)| w.can_use(b, s))
+                        }
+                    };
+                    last = Some((ptrs.0, ptrs.1, ok));
                     ok
                 }
             }
         };
-        let start = after.map_or(Unbounded, Excluded);
-        let Some((&first, w)) = waiters.range((start, Unbounded)).find(|(_, w)| can_use(w)) else {
+        let Some((&first, w)) = waiters.iter().find(|(k, w)| eligible(k, w)) else {
             return;
         };
-        let key = if after.is_none() && w.since.elapsed() > *lifo_after {
+        let key = if w.since.elapsed() > *lifo_after {
             let priority = first.0;
             waiters
                 .range((priority, 0)..=(priority, u64::MAX))
                 .rev()
-                .find(|(_, w)| can_use(w))
+                .find(|(k, w)| eligible(k, w))
                 .map_or(first, |(k, _)| *k)
         } else {
             first
         };
+        let hops = match target {
+            For::PassedOn { hops, .. } => hops,
+            For::Any | For::Replica(_) => 0,
+        };
         if let Some(w) = waiters.remove(&key) {
             // A waiter that timed out meanwhile passes the wake on (see `QueueEntry`).
-            let _ = w.tx.send(());
+            let _ = w.tx.send(hops);
         }
     }
 }
@@ -338,6 +391,8 @@ pub struct Ask<'a> {
     pub claim: Reach,
     /// Those and the replicas it may borrow: where a release wakes it.
     pub reach: Reach,
+    /// A borrowed replica is used below this fraction of its cap.
+    pub borrow_below: f64,
 }
 
 /// One replica's admission state, as a pick sees it.
@@ -423,7 +478,8 @@ impl Admission {
         // Our place in the queue, once we have one; dropped on every way out (admitted, refused,
         // timed out, or the client gone while waiting), it leaves the queue.
         let mut entry: Option<QueueEntry<'_>> = None;
-        let mut woken = false;
+        // Woken by a release (with how many times the wake was passed on), or not.
+        let mut woken: Option<u8> = None;
         // Moved from a replaced admission's queue: already queued, never refused as queue_full.
         let mut moved = false;
         loop {
@@ -443,16 +499,21 @@ impl Admission {
                         moved = true;
                     }
                     drop(g);
+                    let n = next.0.lock().slots.len();
                     here = here.then(&next.1);
-                    claim = here.carry(&ask.claim);
-                    reach = here.carry(&ask.reach);
+                    claim = here.carry(&ask.claim, n);
+                    reach = here.carry(&ask.reach, n);
+                    if !reach.iter().any(|r| *r) {
+                        // The new config dropped every replica this request could go to.
+                        return Err(Ok(Refusal::QueueTimeout));
+                    }
                     adm = next.0;
-                    woken = false;
+                    woken = None;
                     continue;
                 }
                 // A woken waiter was chosen by the releaser; anyone else takes no slot that a
                 // waiter of its priority or higher could use.
-                let held_back = if woken || g.waiters.is_empty() {
+                let held_back = if woken.is_some() || g.waiters.is_empty() {
                     None
                 } else {
                     Some(contested(&g, ask.priority))
@@ -495,7 +556,7 @@ impl Admission {
                             e.armed = false;
                             release_queue_entry(&mut g, ask.class);
                             // Others may fit where this one did not.
-                            wake(&mut g, 1, None);
+                            wake(&mut g, 1, For::Any);
                         }
                         let onward = g.onward(b);
                         drop(g);
@@ -508,21 +569,24 @@ impl Admission {
                     }
                     Ok(Pick::NoRoom) => {}
                 }
-                let own_open = g
-                    .slots
-                    .iter()
-                    .enumerate()
-                    .any(|(b, s)| reaches(&claim, b) && s.open());
-                if woken && !own_open {
-                    // Woken for a slot this request cannot use (a borrowed one above its floor,
-                    // or one taken meanwhile): the wake goes on to those behind it.
-                    if let Some(e) = &entry {
-                        wake(&mut g, 1, Some(e.key));
-                    }
-                } else if passed_over {
+                match woken {
+                    // Woken for a slot this request cannot use after all (taken meanwhile, or one
+                    // its pick refuses: an unhealthy or ejected replica, too few tokens left): the
+                    // wake goes on to a waiter this one does not hold back, a few times at most.
+                    Some(hops) if hops < MAX_PASSES => wake(
+                        &mut g,
+                        1,
+                        For::PassedOn {
+                            claim: &claim,
+                            priority: ask.priority,
+                            hops: hops + 1,
+                        },
+                    ),
+                    Some(_) => {}
                     // A slot it could have taken is left to a waiter ahead of it: make sure one
                     // is coming for it.
-                    wake(&mut g, 1, None);
+                    None if passed_over => wake(&mut g, 1, For::Any),
+                    None => {}
                 }
                 let k = match &entry {
                     Some(e) => e.key,
@@ -551,14 +615,14 @@ impl Admission {
                         since: tokio::time::Instant::now(),
                         claim: claim.clone(),
                         reach: reach.clone(),
+                        borrow_below: ask.borrow_below,
                     },
                 );
                 rx
             };
-            let wake = tokio::time::timeout_at(deadline, rx).await;
-            woken = wake.is_ok();
-            if wake.is_err() {
-                return Err(Ok(Refusal::QueueTimeout));
+            match tokio::time::timeout_at(deadline, rx).await {
+                Ok(hops) => woken = Some(hops.unwrap_or(0)),
+                Err(_) => return Err(Ok(Refusal::QueueTimeout)),
             }
         }
     }
@@ -584,7 +648,7 @@ impl Admission {
         let before = slot.cap.cap();
         let change = slot.cap.on_feedback(f);
         if let (Change::Raised, Some(b), Some(a)) = (change, before, slot.cap.cap()) {
-            wake(&mut g, (a - b) as usize, None);
+            wake(&mut g, (a - b) as usize, For::Replica(backend));
         }
         change
     }
@@ -596,7 +660,7 @@ impl Admission {
             let grew = budget.is_none_or(|b| s.token_budget.is_some_and(|old| b > old));
             s.token_budget = budget;
             if grew {
-                wake(&mut g, 1, None);
+                wake(&mut g, 1, For::Replica(backend));
             }
         }
     }
@@ -646,13 +710,15 @@ impl Admission {
         };
         let before = s.cap.cap();
         let change = s.cap.replan(plan);
-        let woken = match (before, s.cap.cap()) {
+        match (before, s.cap.cap()) {
             // Waiters queued only for lack of room elsewhere re-check.
-            (None, Some(_)) => g.waiters.len(),
-            (Some(b), Some(a)) if a > b => (a - b) as usize,
-            _ => 0,
-        };
-        wake(&mut g, woken, None);
+            (None, Some(_)) => {
+                let n = g.waiters.len();
+                wake(&mut g, n, For::Any);
+            }
+            (Some(b), Some(a)) if a > b => wake(&mut g, (a - b) as usize, For::Replica(backend)),
+            _ => {}
+        }
         change
     }
 
@@ -709,7 +775,7 @@ impl Admission {
         });
         // Every request still waiting here moves to the new admission's queue (see `acquire`).
         for (_, w) in std::mem::take(&mut g.waiters) {
-            let _ = w.tx.send(());
+            let _ = w.tx.send(0);
         }
     }
 
@@ -736,10 +802,10 @@ impl Drop for QueueEntry<'_> {
             return;
         }
         let mut g = self.admission.lock();
-        if g.waiters.remove(&self.key).is_none() {
-            // Woken, but leaving: the wake goes to the next waiter.
-            wake(&mut g, 1, None);
-        }
+        // Woken but leaving, the wake goes to another waiter; not woken, it may have held others
+        // back from a slot that is free now.
+        g.waiters.remove(&self.key);
+        wake(&mut g, 1, For::Any);
         release_queue_entry(&mut g, self.class);
     }
 }
@@ -775,6 +841,7 @@ mod tests {
             tokens: 100,
             claim: Reach::from([]),
             reach: Reach::from([]),
+            borrow_below: 1.0,
         }
     }
 
@@ -800,6 +867,7 @@ mod tests {
             tokens: 100,
             claim: Reach::from(claim),
             reach: Reach::from(reach),
+            borrow_below: 1.0,
         }
     }
 
@@ -883,6 +951,81 @@ mod tests {
         assert!(!borrower.is_finished());
         drop(held_a);
         assert_eq!(borrower.await.unwrap().unwrap().backend, 0);
+    }
+
+    /// Never picks anything (every replica it may use is, say, ejected).
+    fn nothing(_: &[Room]) -> Result<Pick, ()> {
+        Ok(Pick::NoRoom)
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_release_wakes_a_waiter_that_can_use_that_replica() {
+        // Pool A is replicas 0 and 1 (0 free but refused by A's pick, as an ejected replica is;
+        // 1 full), pool B is replica 2 (full). A waits at a higher priority than B.
+        let a = admission(3, 1);
+        const A2: &[bool] = &[true, true, false];
+        const B2: &[bool] = &[false, false, true];
+        let held_a = a
+            .acquire(&pooled("interactive", 10, A2, A2), |room: &[Room]| {
+                Ok::<_, ()>(if room[1].free {
+                    Pick::Backend(1)
+                } else {
+                    Pick::NoRoom
+                })
+            })
+            .await
+            .unwrap();
+        let held_b = a
+            .acquire(
+                &pooled("batch", -10, B2, B2),
+                first_of(&[false, false, true]),
+            )
+            .await
+            .unwrap();
+        let a2 = a.clone();
+        let waiting_a = tokio::spawn(async move {
+            a2.acquire(&pooled("interactive", 10, A2, A2), nothing)
+                .await
+        });
+        tokio::task::yield_now().await;
+        let a3 = a.clone();
+        let waiting_b = tokio::spawn(async move {
+            a3.acquire(
+                &pooled("batch", -10, B2, B2),
+                first_of(&[false, false, true]),
+            )
+            .await
+        });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 2);
+        // Replica 2 frees: pool B's waiter takes it, though pool A's waits ahead of it.
+        drop(held_b);
+        assert_eq!(waiting_b.await.unwrap().unwrap().backend, 2);
+        drop(held_a);
+        waiting_a.abort();
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_waiter_that_leaves_lets_in_those_it_held_back() {
+        let a = admission(1, 1);
+        // A high-priority request that can use nothing waits (until its 1 s deadline) ...
+        let a2 = a.clone();
+        let stuck = tokio::spawn(async move {
+            let mut asked = ask("interactive", 10);
+            asked.timeout = Duration::from_secs(1);
+            a2.acquire(&asked, nothing).await
+        });
+        tokio::task::yield_now().await;
+        // ... and holds back a lower one from the free slot until it leaves.
+        let t0 = tokio::time::Instant::now();
+        let held_back = a.acquire(&ask("batch", 0), first).await.unwrap();
+        assert_eq!(held_back.backend, 0);
+        assert!(t0.elapsed() >= Duration::from_secs(1));
+        assert!(t0.elapsed() < Duration::from_secs(2), "{:?}", t0.elapsed());
+        assert!(matches!(
+            stuck.await.unwrap(),
+            Err(Ok(Refusal::QueueTimeout))
+        ));
     }
 
     #[tokio::test(start_paused = true)]
