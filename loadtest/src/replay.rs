@@ -87,6 +87,9 @@ pub struct ReplayOptions {
     pub stop: Arc<AtomicBool>,
 }
 
+/// The latest send time a schedule keeps (ten years).
+const LATEST_SEND: Duration = Duration::from_secs(10 * 365 * 24 * 3600);
+
 /// How long the requests in flight may still finish once a run is stopped; the rest are cut and
 /// left out of its results.
 pub const STOP_GRACE: Duration = Duration::from_secs(5);
@@ -310,7 +313,14 @@ pub async fn run(
         (Arrivals::Concurrency(_), _) => None,
         (_, Some(p)) => Some(p.clone()),
         (arrivals, None) => schedule(&records, arrivals, opts.seed),
-    };
+    }
+    // Send times are added to instants: a schedule past any run's end (a rate of 1e-20 under a
+    // --duration) is cut to a time an instant holds, which the run's end comes before.
+    .map(|p| {
+        p.into_iter()
+            .map(|at| at.min(LATEST_SEND))
+            .collect::<Vec<_>>()
+    });
     // Open-loop schedules start a moment after now, so the body builder is ahead from the first send.
     let lead = if plan.is_some() {
         Duration::from_millis(200)

@@ -6,7 +6,8 @@
 //! cap_0 = configured max_in_flight, else plan = ⌊headroom · KV_tokens / context⌋ once the engine
 //!         reports its KV capacity (vllm:cache_config_info), else unlimited until then; context is
 //!         the mean length of the replica's recent requests once known (`context.rs`)
-//! plan moved by more than 10% since the cap last followed it → cap ← cap · plan_new / plan_old
+//! plan moved by more than 10% since the cap last followed it → cap ← cap · plan_new / plan_old,
+//!         raised at most twofold (or by α) at a time
 //! per scrape:
 //!   preempting = preemptions rose
 //!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
@@ -164,13 +165,22 @@ impl CapController {
             self.cap = Some(bounded(plan));
             return Change::Held;
         };
-        let next = bounded((f64::from(cap) * ratio).round() as u32);
+        let target = bounded((f64::from(cap) * ratio).round() as u32);
+        // Raised at most twofold per step: what feedback learnt may hold the cap below the plan
+        // for reasons the plan does not see (the engine's sequence limit), and the scrapes
+        // between steps check each one.
+        let next = target.min(cap.saturating_mul(2).max(cap + self.params.alpha));
         if next > cap && self.queue {
             // More fits in the cache, but the engine already holds a queue it cannot run: the
             // plan is not followed yet (nor taken as the anchor), and is once the queue clears.
             return Change::Held;
         }
-        self.plan = Some(plan);
+        // A step short of the plan anchors where it got to, so the next replan goes on.
+        self.plan = Some(if next < target {
+            ((f64::from(old) * f64::from(next) / f64::from(cap)).round() as u32).max(1)
+        } else {
+            plan
+        });
         self.cap = Some(next);
         match next.cmp(&cap) {
             std::cmp::Ordering::Greater => Change::Raised,
@@ -298,7 +308,18 @@ mod tests {
         c.on_feedback(idle);
         let before = c.cap().unwrap();
         assert_eq!(c.replan(400), Change::Raised);
-        assert_eq!(c.cap(), Some(before * 10));
+        assert_eq!(c.cap(), Some(before * 2), "twofold at most per step");
+        // A plan far above the cap is reached in doublings, one per replan.
+        let mut c = CapController::new(None, CapParams::default());
+        c.replan(14);
+        assert_eq!(c.cap(), Some(14));
+        let steps: Vec<u32> = (0..4)
+            .map(|_| {
+                c.replan(100);
+                c.cap().unwrap()
+            })
+            .collect();
+        assert_eq!(steps, vec![28, 56, 100, 100]);
         // A busy healthy engine (a few requests arrived since its last step) is no queue: the cap
         // still rises while it binds.
         let mut c = CapController::new(Some(150), CapParams::default());
