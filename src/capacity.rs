@@ -51,7 +51,11 @@ pub fn run(a: CapacityArgs) -> anyhow::Result<()> {
         .with_context(|| format!("unknown GPU `{}`: use h100 or h200", a.gpu))?;
     // A model directory (a Hugging Face checkout) is read through its config.json.
     let file = if Path::new(&a.model).is_dir() {
-        Path::new(&a.model).join("config.json")
+        let file = Path::new(&a.model).join("config.json");
+        if !file.is_file() {
+            bail!("{} is a directory without a config.json", a.model);
+        }
+        file
     } else {
         Path::new(&a.model).to_path_buf()
     };

@@ -469,7 +469,7 @@ pub fn import_burstgpt(reader: impl BufRead) -> Result<Import, TraceError> {
             return Err(TraceError::Invalid {
                 line: r.line,
                 reason: format!(
-                    "bad Timestamp {at}: seconds from the trace's start, not negative and finite"
+                    "bad Timestamp {at:?}: seconds from the trace's start, at least 0 and at most 10^15"
                 ),
             });
         }
