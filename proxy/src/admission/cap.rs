@@ -13,7 +13,8 @@
 //!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
 //!   queue      = waiting ≥ max(2, running / 10): the engine holds more than arrives between steps
 //!   standing   = queue on this scrape and the one before (the engine cannot take what it holds:
-//!                its sequence limit, max_num_seqs, or its cache)
+//!                its sequence limit, max_num_seqs, or its cache), with no more admitted than the
+//!                cap (else the queue is the backlog of a higher cap, still draining)
 //!   preempting, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β·cap⌋)
 //!   warning only, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β_soft·cap⌋)
 //!   standing, no cut in the last `cooldown` scrapes   → cap ← max(min_cap, min(⌊β·cap⌋ or
@@ -122,6 +123,8 @@ pub struct CapController {
     plan: Option<u32>,
     /// The last scrape found the engine holding a queue.
     queue: bool,
+    /// Requests admitted to the replica when the scrape came (set by the caller; None: unknown).
+    pub admitted: Option<u32>,
 }
 
 impl CapController {
@@ -135,6 +138,7 @@ impl CapController {
             since_cut: u32::MAX,
             plan: None,
             queue: false,
+            admitted: None,
         }
     }
 
@@ -214,7 +218,13 @@ impl CapController {
             (Some(now), Some(before)) if now >= 2.0 && now > before
         );
         let queue = engine_queue(&f);
-        let standing = queue && engine_queue(&self.last);
+        // A queue that outlasts a cut is the backlog admitted under the higher cap before it:
+        // cutting again before that has drained would only overshoot.
+        let drained = match (self.admitted, self.cap) {
+            (Some(n), Some(cap)) => n <= cap,
+            _ => true,
+        };
+        let standing = queue && engine_queue(&self.last) && drained;
         self.queue = queue;
         self.last = f;
         self.since_cut = self.since_cut.saturating_add(1);
@@ -295,6 +305,13 @@ mod tests {
             }
             caps.push(c.cap().unwrap());
         }
+        // A backlog admitted under a higher cap is not cut for again while it drains.
+        let mut draining = CapController::new(Some(10), CapParams::default());
+        draining.admitted = Some(40);
+        let backlog = scrape(40);
+        draining.on_feedback(backlog);
+        assert_eq!(draining.on_feedback(backlog), Change::Held);
+        assert_eq!(draining.cap(), Some(10));
         // Cut to what it runs plus α at the second scrape, then within α of it from there on.
         assert_eq!(caps[1], 6, "{caps:?}");
         assert!(caps[2..].iter().all(|&c| (5..=7).contains(&c)), "{caps:?}");

@@ -646,6 +646,7 @@ impl Admission {
             return Change::Held;
         };
         let before = slot.cap.cap();
+        slot.cap.admitted = Some(slot.in_flight);
         let change = slot.cap.on_feedback(f);
         if let (Change::Raised, Some(b), Some(a)) = (change, before, slot.cap.cap()) {
             wake(&mut g, (a - b) as usize, For::Replica(backend));
