@@ -13,8 +13,9 @@
 //!   warning    = KV usage ≥ kv_high ∨ (waiting ≥ 2 ∧ waiting grew)
 //!   queue      = waiting ≥ max(2, running / 10): the engine holds more than arrives between steps
 //!   standing   = queue on this scrape and the one before (the engine cannot take what it holds:
-//!                its sequence limit, max_num_seqs, or its cache), with no more admitted than the
-//!                cap (else the queue is the backlog of a higher cap, still draining)
+//!                its sequence limit, max_num_seqs, or its cache)
+//!   every cut below waits until no more are admitted than the cap (else the pressure is the
+//!   backlog of a higher cap, still draining, and a cut would change nothing but overshoot)
 //!   preempting, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β·cap⌋)
 //!   warning only, no cut in the last `cooldown` scrapes → cap ← max(min_cap, ⌊β_soft·cap⌋)
 //!   standing, no cut in the last `cooldown` scrapes   → cap ← max(min_cap, min(⌊β·cap⌋ or
@@ -218,13 +219,14 @@ impl CapController {
             (Some(now), Some(before)) if now >= 2.0 && now > before
         );
         let queue = engine_queue(&f);
-        // A queue that outlasts a cut is the backlog admitted under the higher cap before it:
-        // cutting again before that has drained would only overshoot.
+        // Pressure that outlasts a cut comes from the backlog admitted under the higher cap
+        // before it: cutting again before that has drained changes nothing now (nothing is
+        // admitted meanwhile) and would only overshoot.
         let drained = match (self.admitted, self.cap) {
             (Some(n), Some(cap)) => n <= cap,
             _ => true,
         };
-        let standing = queue && engine_queue(&self.last) && drained;
+        let standing = queue && engine_queue(&self.last);
         self.queue = queue;
         self.last = f;
         self.since_cut = self.since_cut.saturating_add(1);
@@ -233,7 +235,7 @@ impl CapController {
             return Change::Held;
         };
         if preempted || full || queueing || standing {
-            if self.since_cut <= p.cooldown {
+            if self.since_cut <= p.cooldown || !drained {
                 return Change::Held;
             }
             let beta = if preempted { p.beta } else { p.soft_beta };
@@ -312,6 +314,14 @@ mod tests {
         draining.on_feedback(backlog);
         assert_eq!(draining.on_feedback(backlog), Change::Held);
         assert_eq!(draining.cap(), Some(10));
+        // Nor for preemptions: they cut once the backlog is down to the cap.
+        let mut c = CapController::new(Some(100), CapParams::default());
+        c.on_feedback(quiet(0.0));
+        c.admitted = Some(150);
+        assert_eq!(c.on_feedback(quiet(5.0)), Change::Held);
+        c.admitted = Some(90);
+        assert_eq!(c.on_feedback(quiet(9.0)), Change::Cut);
+        assert_eq!(c.cap(), Some(80));
         // Cut to what it runs plus α at the second scrape, then within α of it from there on.
         assert_eq!(caps[1], 6, "{caps:?}");
         assert!(caps[2..].iter().all(|&c| (5..=7).contains(&c)), "{caps:?}");
