@@ -315,13 +315,13 @@ mod tests {
         assert_eq!(draining.on_feedback(backlog), Change::Held);
         assert_eq!(draining.cap(), Some(10));
         // Nor for preemptions: they cut once the backlog is down to the cap.
-        let mut c = CapController::new(Some(100), CapParams::default());
-        c.on_feedback(quiet(0.0));
-        c.admitted = Some(150);
-        assert_eq!(c.on_feedback(quiet(5.0)), Change::Held);
-        c.admitted = Some(90);
-        assert_eq!(c.on_feedback(quiet(9.0)), Change::Cut);
-        assert_eq!(c.cap(), Some(80));
+        let mut pre = CapController::new(Some(100), CapParams::default());
+        pre.on_feedback(quiet(0.0));
+        pre.admitted = Some(150);
+        assert_eq!(pre.on_feedback(quiet(5.0)), Change::Held);
+        pre.admitted = Some(90);
+        assert_eq!(pre.on_feedback(quiet(9.0)), Change::Cut);
+        assert_eq!(pre.cap(), Some(80));
         // Cut to what it runs plus α at the second scrape, then within α of it from there on.
         assert_eq!(caps[1], 6, "{caps:?}");
         assert!(caps[2..].iter().all(|&c| (5..=7).contains(&c)), "{caps:?}");
