@@ -123,7 +123,11 @@ pub struct OpenRequest(Arc<Lifecycle>);
 impl Drop for OpenRequest {
     fn drop(&mut self) {
         self.0.open.dec();
-        self.0.closed.notify_waiters();
+        // Only a drain waits for requests to close (for a count short of zero too); the
+        // notification is skipped on every other request's way out.
+        if self.0.draining() || self.0.open.get() <= 0 {
+            self.0.closed.notify_waiters();
+        }
     }
 }
 

@@ -471,9 +471,10 @@ impl Admission {
     ) -> Result<Permit, Result<Refusal, E>> {
         let deadline = tokio::time::Instant::now() + ask.timeout;
         // Where the request waits: this admission until a reload replaces it, then the one that
-        // replaced it (`here` maps this admission's replica ids, which `pick` speaks, to its).
+        // replaced it (`here` maps this admission's replica ids, which `pick` speaks, to its;
+        // None until a reload: the same ids).
         let mut adm = self.clone();
-        let mut here = Mapping::identity(self.lock().slots.len());
+        let mut here: Option<Mapping> = None;
         let (mut claim, mut reach) = (ask.claim.clone(), ask.reach.clone());
         // Our place in the queue, once we have one; dropped on every way out (admitted, refused,
         // timed out, or the client gone while waiting), it leaves the queue.
@@ -498,11 +499,15 @@ impl Admission {
                         release_queue_entry(&mut g, ask.class);
                         moved = true;
                     }
+                    let moved_from = here
+                        .take()
+                        .unwrap_or_else(|| Mapping::identity(g.slots.len()));
                     drop(g);
                     let n = next.0.lock().slots.len();
-                    here = here.then(&next.1);
-                    claim = here.carry(&ask.claim, n);
-                    reach = here.carry(&ask.reach, n);
+                    let mapping = moved_from.then(&next.1);
+                    claim = mapping.carry(&ask.claim, n);
+                    reach = mapping.carry(&ask.reach, n);
+                    here = Some(mapping);
                     if !reach.iter().any(|r| *r) {
                         // The new config dropped every replica this request could go to.
                         return Err(Ok(Refusal::QueueTimeout));
@@ -519,11 +524,11 @@ impl Admission {
                     Some(contested(&g, ask.priority))
                 };
                 let mut passed_over = false;
-                let room: Vec<Room> = here
-                    .to
-                    .iter()
-                    .map(|to| {
-                        let Some(b) = *to else {
+                let id = |i: usize| here.as_ref().map_or(Some(i), |m| m.to[i]);
+                let known = here.as_ref().map_or(g.slots.len(), |m| m.to.len());
+                let room: Vec<Room> = (0..known)
+                    .map(|i| {
+                        let Some(b) = id(i) else {
                             // The new config dropped this replica.
                             return Room {
                                 free: false,
@@ -547,7 +552,7 @@ impl Admission {
                 match pick(&room) {
                     Err(e) => return Err(Err(e)),
                     Ok(Pick::Backend(picked)) => {
-                        let Some(b) = here.to.get(picked).copied().flatten() else {
+                        let Some(b) = (picked < known).then(|| id(picked)).flatten() else {
                             return Err(Ok(Refusal::QueueTimeout));
                         };
                         g.slots[b].take(ask.tokens);
