@@ -258,11 +258,11 @@ enum Attempt {
 impl Headroom {
     /// The 503 for a pool none of whose replicas (own or borrowed) can take a request now: why,
     /// and a `Retry-After` from when one may again.
-    fn unavailable(&self, pool: &str, plan: &crate::app::PoolPlan) -> ProxyError {
+    fn unavailable(&self, plan: &crate::app::PoolPlan) -> ProxyError {
         let (why, wait) = self.fleet.unavailable(&plan.reach);
         ProxyError::new(
             ErrorKind::NoBackend,
-            format!("no replica of pool {pool} can take requests: {why}"),
+            format!("no replica of pool {} can take requests: {why}", plan.name),
         )
         .with_retry_after(wait)
     }
@@ -319,7 +319,7 @@ impl Headroom {
                             let own = look.candidates(&plan.members, &tried);
                             let borrowed = look.candidates(&plan.borrowable, &tried);
                             if !own.iter().chain(&borrowed).any(|v| v.healthy) {
-                                return Err(plan.name.as_str());
+                                return Err(());
                             }
                             // Own replicas with room first, then borrowed ones below their floor.
                             let mut picked = None;
@@ -371,8 +371,8 @@ impl Headroom {
                     };
                     match (acquired, chosen) {
                         (Ok(permit), Some(pick)) => (pick, Some(permit)),
-                        (Err(Err(pool)), _) => {
-                            return Err(last_err.unwrap_or_else(|| self.unavailable(pool, plan)));
+                        (Err(Err(())), _) => {
+                            return Err(last_err.unwrap_or_else(|| self.unavailable(plan)));
                         }
                         (Err(Ok(refusal)), _) => {
                             let (kind, why) = match refusal {
@@ -414,9 +414,7 @@ impl Headroom {
                     let pick = match policy.select(&out.route, &views) {
                         Ok(p) => p,
                         Err(_) if !views.iter().any(|v| v.healthy) => {
-                            return Err(
-                                last_err.unwrap_or_else(|| self.unavailable(&ctx.pool, plan))
-                            );
+                            return Err(last_err.unwrap_or_else(|| self.unavailable(plan)));
                         }
                         Err(e) => return Err(last_err.unwrap_or_else(|| no_backend(e.to_string()))),
                     };
