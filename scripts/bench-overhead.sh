@@ -15,6 +15,10 @@
 #   SYSCALLS=1 scripts/bench-overhead.sh         # also count each proxy's system calls by kind
 #                                                # (perf stat on its processes, every thread) and
 #                                                # print them per relayed chunk, side by side
+#   PROFILE=1 scripts/bench-overhead.sh          # also sample each proxy's CPU (perf record -g, 999 Hz,
+#                                                # every thread) and split its CPU per chunk into user
+#                                                # space and the kernel by system call; the samples stay
+#                                                # in OUT/<proxy>-<round>/perf.data for perf report
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -62,6 +66,10 @@ source scripts/bench-common.sh
 counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
 if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
   echo "SYSCALLS=1 needs perf with access to the syscall tracepoints (linux-perf; run as root)" >&2
+  exit 2
+fi
+if [ "${PROFILE:-0}" = 1 ] && ! perf record -q -g -o /dev/null -- true >/dev/null 2>&1; then
+  echo "PROFILE=1 needs perf allowed to sample with call graphs (linux-perf; run as root)" >&2
   exit 2
 fi
 
@@ -153,11 +161,25 @@ for round in $(seq "$ROUNDS"); do
       counting=$!
       sleep 0.5
     fi
+    profiling=""
+    if [ "${PROFILE:-0}" = 1 ] && [ -n "$watch" ]; then
+      perf record -q -g -F 999 -o "$dir-perf.data" -p "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)" \
+        >/dev/null 2>&1 &
+      profiling=$!
+      sleep 0.5
+    fi
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
       --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
     after=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
+    if [ -n "$profiling" ]; then
+      kill -INT "$profiling"; wait "$profiling" || true
+      mv "$dir-perf.data" "$dir/perf.data"
+      # Inclusive shares (each system call's whole kernel path) and self shares (user against kernel).
+      perf report -i "$dir/perf.data" --children --sort sym -g none --stdio >"$dir/perf-children.txt" 2>/dev/null || true
+      perf report -i "$dir/perf.data" --no-children --sort sym --stdio >"$dir/perf-self.txt" 2>/dev/null || true
+    fi
     read -r user0 system0 <<<"$before"
     read -r user1 system1 <<<"$after"
     echo "$(( user1 + system1 - user0 - system0 ))" >"$dir/cpu_ticks"
@@ -272,6 +294,49 @@ if all(calls.values()):
     lines += ["", "System calls, page faults and context switches per relayed chunk (perf stat on every thread",
               "of each proxy):", "", "| event | headroom | nginx |", "|---|---:|---:|"]
     lines += [f"| {k} | {per('headroom', k):.3f} | {per('nginx', k):.3f} |" for k in names]
+# Where each proxy's CPU per chunk goes (PROFILE=1): the sampled shares of user space and of each
+# system call's kernel path, times the CPU per chunk measured from /proc.
+import re
+SYSCALL_PATHS = ("writev", "recvfrom", "sendto", "epoll_wait", "futex", "write", "read", "clock_nanosleep", "accept4")
+def profile(config):
+    user = kernel = 0.0
+    calls = {}
+    for r in range(1, rounds + 1):
+        try:
+            selfs = open(f"{out}/{config}-{r}/perf-self.txt").read().splitlines()
+            children = open(f"{out}/{config}-{r}/perf-children.txt").read().splitlines()
+        except OSError:
+            return None
+        for l in selfs:
+            m = re.match(r"\s+([\d.]+)%\s+\[(.)\]", l)
+            if m:
+                if m.group(2) == "k":
+                    kernel += float(m.group(1)) / rounds
+                else:
+                    user += float(m.group(1)) / rounds
+        # A call's entry point can be inlined or tail-called away (writev's shows as do_writev):
+        # its share is the largest of the frames that name it.
+        found = {}
+        for l in children:
+            m = re.match(r"\s+([\d.]+)%\s+[\d.]+%\s+\[k\] (?:__x64_sys_|__sys_|do_)(\w+)$", l.rstrip())
+            if m and m.group(2) in SYSCALL_PATHS:
+                found[m.group(2)] = max(found.get(m.group(2), 0.0), float(m.group(1)))
+        for k, v in found.items():
+            calls[k] = calls.get(k, 0.0) + v / rounds
+    return user, kernel, calls
+prof = {c: profile(c) for c in ("headroom", "nginx")}
+if all(prof.values()):
+    per_chunk = {c: 1e6 * res[c]["cpu_s"] / max(res[c]["chunks"], 1) for c in prof}
+    us = lambda c, share: per_chunk[c] * share / max(prof[c][0] + prof[c][1], 1e-9)
+    top = sorted({k for c in prof for k, v in prof[c][2].items() if v >= 1.0},
+                 key=lambda k: -max(prof[c][2].get(k, 0) for c in prof))
+    lines += ["", "Where the CPU per chunk goes (perf record -g at 999 Hz on every thread of each proxy; µs per",
+              "relayed chunk: each part's share of the samples times the CPU per chunk above):", "",
+              "| part | headroom µs | nginx µs |", "|---|---:|---:|",
+              f"| user space | {us('headroom', prof['headroom'][0]):.2f} | {us('nginx', prof['nginx'][0]):.2f} |",
+              f"| kernel | {us('headroom', prof['headroom'][1]):.2f} | {us('nginx', prof['nginx'][1]):.2f} |"]
+    for k in top:
+        lines.append(f"| kernel: {k} (its whole path) | {us('headroom', prof['headroom'][2].get(k, 0)):.2f} | {us('nginx', prof['nginx'][2].get(k, 0)):.2f} |")
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]
