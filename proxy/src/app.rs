@@ -791,6 +791,11 @@ impl ProxyHttp for Headroom {
                 .inc();
             ctx.status = e.status();
             ctx.error = Some(e.reason());
+            if e.kind == ErrorKind::ShuttingDown {
+                // The process is about to exit: the answer says so (`Connection: close`) rather
+                // than inviting another request on a connection that will not be there.
+                session.set_keepalive(None);
+            }
             if !ctx.response_started {
                 respond(session, e.status(), "application/json", e.body(), Some(&e)).await;
             }

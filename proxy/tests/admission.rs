@@ -417,7 +417,28 @@ async fn a_shutdown_answers_the_requests_still_queued_instead_of_cutting_them() 
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     let queued: Vec<_> = (0..3)
-        .map(|_| tokio::spawn(send(addr, "interactive", 5)))
+        .map(|_| {
+            tokio::spawn(async move {
+                let resp = reqwest::Client::new()
+                    .post(format!("http://{addr}/v1/chat/completions"))
+                    .header("x-headroom-class", "interactive")
+                    .json(&json!({"messages": [{"role": "user", "content": "go"}],
+                        "max_tokens": 5, "ignore_eos": true, "stream": true}))
+                    .send()
+                    .await
+                    .unwrap();
+                let header = |name: &str| {
+                    resp.headers()
+                        .get(name)
+                        .map(|v| v.to_str().unwrap().to_owned())
+                };
+                (
+                    resp.status().as_u16(),
+                    header("retry-after"),
+                    header("connection"),
+                )
+            })
+        })
         .collect();
     for _ in 0..500 {
         if admission.queued().values().sum::<usize>() == 3 {
@@ -432,8 +453,12 @@ async fn a_shutdown_answers_the_requests_still_queued_instead_of_cutting_them() 
         .await;
     assert_eq!(left, 1);
     for q in queued {
-        let (status, retry_after, _) = q.await.unwrap();
-        assert_eq!((status, retry_after.as_deref()), (503, Some("1")));
+        // The process is about to exit: the answer does not invite another request.
+        let (status, retry_after, connection) = q.await.unwrap();
+        assert_eq!(
+            (status, retry_after.as_deref(), connection.as_deref()),
+            (503, Some("1"), Some("close"))
+        );
     }
     long.abort();
 }
