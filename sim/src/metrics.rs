@@ -21,12 +21,12 @@ pub const TTFT_BUCKETS: &[f64] = &[
     0.001, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.25, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0,
     20.0, 40.0, 80.0, 160.0, 640.0, 2560.0,
 ];
-/// Inter-token latency buckets.
+/// Inter-token latency buckets (also a request's time per output token).
 pub const ITL_BUCKETS: &[f64] = &[
     0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.4, 0.5, 0.75, 1.0, 2.5, 5.0, 7.5, 10.0, 20.0,
     40.0, 80.0,
 ];
-/// Request phase buckets (e2e, queue, prefill, decode, inference, TPOT).
+/// Request phase buckets (e2e, queue, prefill, decode, inference).
 pub const PHASE_BUCKETS: &[f64] = &[
     0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0, 240.0,
     480.0, 960.0, 1920.0, 7680.0,
@@ -294,7 +294,7 @@ impl Metrics {
             tpot: b.histogram(
                 "vllm:request_time_per_output_token_seconds",
                 "Histogram of time_per_output_token_seconds per request.",
-                PHASE_BUCKETS,
+                ITL_BUCKETS,
             ),
             e2e: b.histogram(
                 "vllm:e2e_request_latency_seconds",

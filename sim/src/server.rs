@@ -144,10 +144,19 @@ pub fn router(replica: Arc<Replica>) -> Router {
         .route("/v1/completions", post(completions))
         .route("/v1/models", get(models))
         .route("/health", get(health))
+        // vLLM's load-balancer probe, answered as /health is (GET or POST).
+        .route("/ping", get(health).post(health))
         .route("/version", get(version))
         .route("/metrics", get(metrics))
         .route("/tokenize", post(tokenize))
         .route("/reset_prefix_cache", post(reset_prefix_cache))
+        // FastAPI's answer to a path it does not serve.
+        .fallback(|| async {
+            (
+                StatusCode::NOT_FOUND,
+                axum::Json(json!({"detail": "Not Found"})),
+            )
+        })
         // vLLM bounds prompts by tokens (a 400 with its message), not bodies by bytes.
         .layer(axum::extract::DefaultBodyLimit::max(MAX_BODY_BYTES))
         .with_state(replica)
@@ -398,6 +407,9 @@ async fn generate(
             Some("stream_options"),
         ));
     }
+    if let Some((message, field)) = params.sampling_error() {
+        return Err(ApiError::bad_request(message, Some(field)));
+    }
     if params.n.is_some_and(|n| n != 1) {
         return Err(ApiError::bad_request(
             "headroom sim serves n=1 only.",
@@ -464,7 +476,9 @@ async fn generate(
     let base_id = headers
         .get("x-request-id")
         .and_then(|v| v.to_str().ok())
-        .map_or_else(|| format!("{:016x}", r.random_u64()), str::to_owned);
+        // Drawn from the system's entropy, not the replica's seeded generator: replicas behind
+        // one proxy, or a replica restarted with the same seed, must not repeat each other's ids.
+        .map_or_else(|| format!("{:016x}", rand::random::<u64>()), str::to_owned);
     let id = match endpoint {
         Endpoint::Chat => format!("chatcmpl-{base_id}"),
         Endpoint::Completions => format!("cmpl-{base_id}"),
@@ -489,7 +503,8 @@ async fn generate(
             prompt_tokens: n,
             sent: 0,
             done: false,
-            cut_now: false,
+            cut_next: false,
+            stall_next: false,
         }))
     } else {
         collect_response(&r, submission, endpoint, faults, &id, created, n).await
@@ -505,7 +520,10 @@ struct StreamState {
     prompt_tokens: u32,
     sent: u32,
     done: bool,
-    cut_now: bool,
+    /// `drop-after` reached: the connection is cut when the next token would go out.
+    cut_next: bool,
+    /// `stall-after` reached: the next token waits the stall first.
+    stall_next: bool,
 }
 
 /// The SSE response that relays `state.sub`'s tokens as chunks, applying the stream faults.
@@ -514,9 +532,15 @@ fn stream_response(state: StreamState) -> Response {
         if st.done {
             return None;
         }
-        if st.cut_now {
+        // Both faults act before the next token, not with the last one sent: while this waits,
+        // the server flushes the tokens before it, so the client has exactly N of them.
+        if st.cut_next {
+            let _ = st.sub.outputs.recv().await;
             st.done = true;
             return Some((Err(std::io::Error::other("fault: connection dropped")), st));
+        }
+        if std::mem::take(&mut st.stall_next) {
+            tokio::time::sleep(st.faults.stall).await;
         }
         let Some(out) = st.sub.outputs.recv().await else {
             st.done = true;
@@ -550,9 +574,9 @@ fn stream_response(state: StreamState) -> Response {
             sse::write_data(&mut buf, sse::DONE);
             st.done = true;
         } else if st.faults.drop_after == Some(st.sent) {
-            st.cut_now = true;
+            st.cut_next = true;
         } else if st.faults.stall_after == Some(st.sent) {
-            tokio::time::sleep(st.faults.stall).await;
+            st.stall_next = true;
         }
         Some((Ok::<_, std::io::Error>(Bytes::from(buf)), st))
     });

@@ -345,6 +345,61 @@ async fn errors_have_vllm_bodies_and_statuses() {
 }
 
 #[tokio::test]
+async fn sampling_fields_are_checked_and_scalars_read_as_vllm_reads_them() {
+    let r = replica(&[]).await;
+    for (field, value) in [
+        ("temperature", json!(-1)),
+        ("top_p", json!(1.5)),
+        ("presence_penalty", json!(5)),
+        ("top_logprobs", json!(3)),
+    ] {
+        let mut body = json!({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2});
+        body[field] = value;
+        let resp = post(&r, "/v1/chat/completions", body).await;
+        assert_eq!(resp.status(), 400, "{field}");
+        let v: Value = resp.json().await.unwrap();
+        assert_eq!(v["error"]["param"], field);
+    }
+    // Lax scalars, as pydantic reads them: a numeric string, an integral float, a null stream.
+    let resp = post(
+        &r,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": "3", "temperature": "0", "stream": null, "ignore_eos": true}),
+    )
+    .await;
+    assert_eq!(resp.status(), 200);
+    let v: Value = resp.json().await.unwrap();
+    assert_eq!(v["usage"]["completion_tokens"], 3);
+    // An options object without include_usage asks for usage (vLLM's default is true).
+    let resp = post(
+        &r,
+        "/v1/completions",
+        json!({"prompt": "hi", "max_tokens": 2.0, "stream": true, "stream_options": {}}),
+    )
+    .await;
+    let last = events(resp).await;
+    assert!(
+        last.iter()
+            .any(|e| e.starts_with(r#"{"id""#) && e.contains(r#""choices":[],"usage""#)),
+        "{last:?}"
+    );
+    // The probe and the answer to an unknown path.
+    let ping = client()
+        .post(format!("{}/ping", r.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(ping.status(), 200);
+    let missing = client()
+        .get(format!("{}/v2/nothing", r.url()))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(missing.status(), 404);
+    assert_eq!(missing.text().await.unwrap(), r#"{"detail":"Not Found"}"#);
+}
+
+#[tokio::test]
 async fn stop_ends_with_an_empty_eos_chunk_and_min_tokens_is_validated() {
     let r = replica(&["--mean-output-tokens", "2"]).await;
     let ev = events(
@@ -669,10 +724,37 @@ async fn faults_drop_stall_error_and_cold_start() {
         .await
         .unwrap();
     assert_eq!(resp.status(), 200);
-    assert!(
-        resp.bytes().await.is_err(),
-        "the stream is cut, not finished"
-    );
+    // Exactly two tokens reach the client, then the cut (no [DONE]).
+    let (mut got, mut resp) = (Vec::new(), resp);
+    let cut = loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => got.extend_from_slice(&c),
+            Ok(None) => break false,
+            Err(_) => break true,
+        }
+    };
+    let got = String::from_utf8(got).unwrap();
+    assert!(cut, "the stream is cut, not finished: {got}");
+    assert_eq!(got.matches("\"text\":").count(), 2, "{got}");
+    assert!(!got.contains("[DONE]"), "{got}");
+
+    // Two tokens, then the stall: the third waits for it.
+    let mut resp = client()
+        .post(format!("{}/v1/completions", r.url()))
+        .header("x-headroom-fault", "stall-after=2,stall-ms=3000")
+        .json(&json!({"prompt": "hi", "max_tokens": 5, "stream": true, "ignore_eos": true}))
+        .send()
+        .await
+        .unwrap();
+    let mut got = Vec::new();
+    while let Ok(Some(c)) = tokio::time::timeout(Duration::from_millis(1000), resp.chunk())
+        .await
+        .map(Result::unwrap)
+    {
+        got.extend_from_slice(&c);
+    }
+    let got = String::from_utf8(got).unwrap();
+    assert_eq!(got.matches("\"text\":").count(), 2, "{got}");
 
     let resp = client()
         .post(format!("{}/v1/completions", r.url()))

@@ -11,14 +11,128 @@
 use serde::{Deserialize, Serialize};
 
 /// `stream_options` of a streamed request.
-#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize, Deserialize)]
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
 pub struct StreamOptions {
-    /// Send a final usage chunk (`choices: []`).
-    #[serde(default)]
+    /// Send a final usage chunk (`choices: []`). As in vLLM, an options object that leaves it
+    /// out asks for it (`include_usage: bool | None = True`); `null` does not.
+    #[serde(default = "lax::yes", deserialize_with = "lax::bool_or_null")]
     pub include_usage: bool,
     /// Add `usage` to every chunk (only together with `include_usage`).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::bool_or_null")]
     pub continuous_usage_stats: bool,
+}
+
+impl Default for StreamOptions {
+    fn default() -> Self {
+        Self {
+            include_usage: true,
+            continuous_usage_stats: false,
+        }
+    }
+}
+
+/// Scalars read as vLLM's request models read them (pydantic's lax mode): an integer may come as
+/// an integral float or a numeric string, a float as a numeric string, a boolean as `0`/`1` or
+/// words like `"true"`. A proxy that refused what the engine accepts would fail requests the
+/// engine would serve.
+pub(crate) mod lax {
+    use serde::de::Error as _;
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Scalar {
+        Bool(bool),
+        Int(i64),
+        Float(f64),
+        Text(String),
+    }
+
+    impl Scalar {
+        fn int(&self) -> Option<i64> {
+            match self {
+                Self::Bool(b) => Some(i64::from(*b)),
+                Self::Int(i) => Some(*i),
+                // Integral and inside i64's range (2^63 itself is not).
+                Self::Float(f) if f.fract() == 0.0 && f.abs() < 9.223_372_036_854_775_8e18 => {
+                    Some(*f as i64)
+                }
+                Self::Float(_) => None,
+                Self::Text(t) => t.trim().parse().ok(),
+            }
+        }
+
+        fn float(&self) -> Option<f64> {
+            match self {
+                Self::Bool(b) => Some(f64::from(u8::from(*b))),
+                Self::Int(i) => Some(*i as f64),
+                Self::Float(f) => Some(*f),
+                Self::Text(t) => t.trim().parse::<f64>().ok().filter(|f| f.is_finite()),
+            }
+        }
+
+        fn bool(&self) -> Option<bool> {
+            match self {
+                Self::Bool(b) => Some(*b),
+                Self::Int(0) => Some(false),
+                Self::Int(1) => Some(true),
+                Self::Int(_) => None,
+                Self::Float(f) if *f == 0.0 => Some(false),
+                Self::Float(f) if *f == 1.0 => Some(true),
+                Self::Float(_) => None,
+                Self::Text(t) => match t.trim().to_ascii_lowercase().as_str() {
+                    "0" | "off" | "f" | "false" | "n" | "no" => Some(false),
+                    "1" | "on" | "t" | "true" | "y" | "yes" => Some(true),
+                    _ => None,
+                },
+            }
+        }
+
+        fn shown(&self) -> String {
+            match self {
+                Self::Bool(b) => b.to_string(),
+                Self::Int(i) => i.to_string(),
+                Self::Float(f) => f.to_string(),
+                Self::Text(t) => format!("{t:?}"),
+            }
+        }
+    }
+
+    pub(crate) fn yes() -> bool {
+        true
+    }
+
+    /// A boolean, lax; `null` reads as false.
+    pub(crate) fn bool_or_null<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
+        match Option::<Scalar>::deserialize(d)? {
+            None => Ok(false),
+            Some(s) => s
+                .bool()
+                .ok_or_else(|| D::Error::custom(format!("expected a boolean, got {}", s.shown()))),
+        }
+    }
+
+    /// An optional integer, lax.
+    pub(crate) fn opt_int<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
+        match Option::<Scalar>::deserialize(d)? {
+            None => Ok(None),
+            Some(s) => s
+                .int()
+                .map(Some)
+                .ok_or_else(|| D::Error::custom(format!("expected an integer, got {}", s.shown()))),
+        }
+    }
+
+    /// An optional number, lax.
+    pub(crate) fn opt_float<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
+        match Option::<Scalar>::deserialize(d)? {
+            None => Ok(None),
+            Some(s) => s
+                .float()
+                .map(Some)
+                .ok_or_else(|| D::Error::custom(format!("expected a number, got {}", s.shown()))),
+        }
+    }
 }
 
 /// The sampling and output fields both endpoints share.
@@ -26,26 +140,56 @@ pub struct StreamOptions {
 pub struct GenerationParams {
     /// Served model name.
     pub model: Option<String>,
-    /// Stream the response as SSE.
-    #[serde(default)]
+    /// Stream the response as SSE (`null` reads as false).
+    #[serde(default, deserialize_with = "lax::bool_or_null")]
     pub stream: bool,
     /// Options for a streamed response.
     pub stream_options: Option<StreamOptions>,
     /// Output token limit (completions, and chat's legacy field).
+    #[serde(default, deserialize_with = "lax::opt_int")]
     pub max_tokens: Option<i64>,
     /// Chat's output token limit; wins over `max_tokens` when both are set.
+    #[serde(default, deserialize_with = "lax::opt_int")]
     pub max_completion_tokens: Option<i64>,
     /// Keep generating past end-of-sequence (vLLM extension).
-    #[serde(default)]
+    #[serde(default, deserialize_with = "lax::bool_or_null")]
     pub ignore_eos: bool,
     /// Minimum output tokens before end-of-sequence may be sampled (vLLM extension).
+    #[serde(default, deserialize_with = "lax::opt_int")]
     pub min_tokens: Option<i64>,
     /// Sampling seed.
+    #[serde(default, deserialize_with = "lax::opt_int")]
     pub seed: Option<i64>,
     /// Sampling temperature.
+    #[serde(default, deserialize_with = "lax::opt_float")]
     pub temperature: Option<f64>,
     /// Number of choices; only 1 is served by the simulator.
+    #[serde(default, deserialize_with = "lax::opt_int")]
     pub n: Option<i64>,
+    /// Nucleus sampling mass, in (0, 1].
+    #[serde(default, deserialize_with = "lax::opt_float")]
+    pub top_p: Option<f64>,
+    /// Top-k sampling: -1 or 0 for off, else at least 1.
+    #[serde(default, deserialize_with = "lax::opt_int")]
+    pub top_k: Option<i64>,
+    /// Minimum token probability relative to the most likely, in [0, 1].
+    #[serde(default, deserialize_with = "lax::opt_float")]
+    pub min_p: Option<f64>,
+    /// Presence penalty, in [-2, 2].
+    #[serde(default, deserialize_with = "lax::opt_float")]
+    pub presence_penalty: Option<f64>,
+    /// Frequency penalty, in [-2, 2].
+    #[serde(default, deserialize_with = "lax::opt_float")]
+    pub frequency_penalty: Option<f64>,
+    /// Repetition penalty, above 0.
+    #[serde(default, deserialize_with = "lax::opt_float")]
+    pub repetition_penalty: Option<f64>,
+    /// Log probabilities: chat's switch (`true` reads as 1), or completions' count.
+    #[serde(default, deserialize_with = "lax::opt_int")]
+    pub logprobs: Option<i64>,
+    /// Chat's number of alternatives per token; needs `logprobs`.
+    #[serde(default, deserialize_with = "lax::opt_int")]
+    pub top_logprobs: Option<i64>,
     /// Prefix-cache isolation salt (vLLM extension): mixed into the first block's hash.
     pub cache_salt: Option<String>,
     /// End-user id, passed through.
@@ -56,6 +200,67 @@ impl GenerationParams {
     /// The requested output limit: `max_completion_tokens`, else `max_tokens`.
     pub fn requested_max_tokens(&self) -> Option<i64> {
         self.max_completion_tokens.or(self.max_tokens)
+    }
+
+    /// What vLLM refuses with 400 among the sampling fields (`SamplingParams._verify_args` and
+    /// the chat request's `logprobs` check): the message, in vLLM's words, and the field.
+    pub fn sampling_error(&self) -> Option<(String, &'static str)> {
+        let outside = |v: Option<f64>, ok: &dyn Fn(f64) -> bool| v.filter(|x| !ok(*x));
+        if let Some(t) = outside(self.temperature, &|t| t >= 0.0) {
+            return Some((
+                format!("temperature must be non-negative, got {}.", py_float(t)),
+                "temperature",
+            ));
+        }
+        if let Some(p) = outside(self.top_p, &|p| p > 0.0 && p <= 1.0) {
+            return Some((
+                format!("top_p must be in (0, 1], got {}.", py_float(p)),
+                "top_p",
+            ));
+        }
+        if let Some(k) = self.top_k.filter(|k| *k < -1) {
+            return Some((
+                format!("top_k must be 0 (disable), or at least 1, got {k}."),
+                "top_k",
+            ));
+        }
+        if let Some(m) = outside(self.min_p, &|m| (0.0..=1.0).contains(&m)) {
+            return Some((
+                format!("min_p must be in [0, 1], got {}.", py_float(m)),
+                "min_p",
+            ));
+        }
+        for (name, v) in [
+            ("presence_penalty", self.presence_penalty),
+            ("frequency_penalty", self.frequency_penalty),
+        ] {
+            if let Some(x) = outside(v, &|x| (-2.0..=2.0).contains(&x)) {
+                return Some((
+                    format!("{name} must be in [-2, 2], got {}.", py_float(x)),
+                    name,
+                ));
+            }
+        }
+        if let Some(r) = outside(self.repetition_penalty, &|r| r > 0.0) {
+            return Some((
+                format!(
+                    "repetition_penalty must be greater than zero, got {}.",
+                    py_float(r)
+                ),
+                "repetition_penalty",
+            ));
+        }
+        match self.top_logprobs {
+            Some(k) if k < 0 && k != -1 => Some((
+                "`top_logprobs` must be a positive value.".into(),
+                "top_logprobs",
+            )),
+            Some(k) if k > 0 && self.logprobs.unwrap_or(0) == 0 => Some((
+                "when using `top_logprobs`, `logprobs` must be set to true.".into(),
+                "top_logprobs",
+            )),
+            _ => None,
+        }
     }
 
     /// Whether a final usage chunk was asked for.
@@ -70,6 +275,15 @@ impl GenerationParams {
         self.stream_options
             .as_ref()
             .is_some_and(|o| o.include_usage && o.continuous_usage_stats)
+    }
+}
+
+/// A float as Python prints it in vLLM's messages (`-1.0`, `1.5`).
+fn py_float(x: f64) -> String {
+    if x.fract() == 0.0 && x.abs() < 1e16 {
+        format!("{x:.1}")
+    } else {
+        format!("{x}")
     }
 }
 
@@ -191,6 +405,124 @@ mod tests {
         let text = render_chat(&r.messages);
         assert!(text.contains("<|end_header_id|>\n\nHi\nthere<|eot_id|>"));
         assert!(text.ends_with("assistant<|end_header_id|>\n\n"));
+    }
+
+    #[test]
+    fn scalars_are_read_as_leniently_as_vllm_reads_them() {
+        let params = |body: &str| serde_json::from_str::<CompletionRequest>(body).map(|r| r.params);
+        let p = params(
+            r#"{"prompt":"x","max_tokens":2.0,"min_tokens":"1","seed":" 7 ","n":true,
+                "temperature":"0.5","stream":"true","ignore_eos":1}"#,
+        )
+        .unwrap();
+        assert_eq!(
+            (p.max_tokens, p.min_tokens, p.seed, p.n, p.temperature),
+            (Some(2), Some(1), Some(7), Some(1), Some(0.5))
+        );
+        assert!(p.stream && p.ignore_eos);
+        let p =
+            params(r#"{"prompt":"x","stream":null,"max_tokens":null,"ignore_eos":"off"}"#).unwrap();
+        assert!(!p.stream && !p.ignore_eos && p.max_tokens.is_none());
+        for bad in [
+            r#"{"prompt":"x","max_tokens":2.5}"#,
+            r#"{"prompt":"x","max_tokens":"five"}"#,
+            r#"{"prompt":"x","max_tokens":1e30}"#,
+            r#"{"prompt":"x","stream":"maybe"}"#,
+            r#"{"prompt":"x","stream":2}"#,
+            r#"{"prompt":"x","temperature":"hot"}"#,
+            r#"{"prompt":"x","temperature":[1]}"#,
+        ] {
+            assert!(params(bad).is_err(), "{bad}");
+        }
+    }
+
+    #[test]
+    fn sampling_fields_are_range_checked_as_vllm_checks_them() {
+        let error = |fields: &str| {
+            let body = format!(r#"{{"prompt":"x",{fields}}}"#);
+            let p = serde_json::from_str::<CompletionRequest>(&body)
+                .unwrap()
+                .params;
+            p.sampling_error()
+        };
+        for ok in [
+            r#""temperature":0,"top_p":1,"top_k":-1,"min_p":0"#,
+            r#""presence_penalty":2,"frequency_penalty":-2,"repetition_penalty":1.1"#,
+            r#""top_k":0,"logprobs":true,"top_logprobs":5"#,
+            r#""top_logprobs":0"#,
+        ] {
+            assert_eq!(error(ok), None, "{ok}");
+        }
+        for (bad, field, message) in [
+            (
+                r#""temperature":-1"#,
+                "temperature",
+                "temperature must be non-negative, got -1.0.",
+            ),
+            (r#""top_p":0"#, "top_p", "top_p must be in (0, 1], got 0.0."),
+            (
+                r#""top_p":1.5"#,
+                "top_p",
+                "top_p must be in (0, 1], got 1.5.",
+            ),
+            (
+                r#""top_k":-2"#,
+                "top_k",
+                "top_k must be 0 (disable), or at least 1, got -2.",
+            ),
+            (r#""min_p":2"#, "min_p", "min_p must be in [0, 1], got 2.0."),
+            (
+                r#""presence_penalty":5"#,
+                "presence_penalty",
+                "presence_penalty must be in [-2, 2], got 5.0.",
+            ),
+            (
+                r#""frequency_penalty":-9"#,
+                "frequency_penalty",
+                "frequency_penalty must be in [-2, 2], got -9.0.",
+            ),
+            (
+                r#""repetition_penalty":0"#,
+                "repetition_penalty",
+                "repetition_penalty must be greater than zero, got 0.0.",
+            ),
+            (
+                r#""top_logprobs":3"#,
+                "top_logprobs",
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+            ),
+            (
+                r#""logprobs":false,"top_logprobs":3"#,
+                "top_logprobs",
+                "when using `top_logprobs`, `logprobs` must be set to true.",
+            ),
+            (
+                r#""top_logprobs":-3"#,
+                "top_logprobs",
+                "`top_logprobs` must be a positive value.",
+            ),
+        ] {
+            assert_eq!(error(bad), Some((message.to_owned(), field)), "{bad}");
+        }
+    }
+
+    #[test]
+    fn stream_options_ask_for_usage_unless_told_not_to() {
+        let usage = |opts: &str| {
+            let body = format!(r#"{{"prompt":"x","stream":true,"stream_options":{opts}}}"#);
+            let p = serde_json::from_str::<CompletionRequest>(&body)
+                .unwrap()
+                .params;
+            (p.include_usage(), p.continuous_usage())
+        };
+        assert_eq!(usage("{}"), (true, false));
+        assert_eq!(usage(r#"{"continuous_usage_stats":true}"#), (true, true));
+        assert_eq!(usage(r#"{"include_usage":null}"#), (false, false));
+        assert_eq!(
+            usage(r#"{"include_usage":false,"continuous_usage_stats":true}"#),
+            (false, false)
+        );
+        assert_eq!(usage("null"), (false, false));
     }
 
     #[test]
