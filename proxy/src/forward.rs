@@ -51,14 +51,18 @@ struct FleetLook {
 
 impl FleetLook {
     /// The replicas among `members` a request may go to: healthy, not ejected, not tried already,
-    /// and serving its model (unless none of them does: then an engine answers with its own error).
+    /// and serving its model. A model that some member serves, even one that is down now, goes
+    /// only to its own replicas (none healthy: the proxy's 503 with `Retry-After`, not another
+    /// replica's 404); a model that no member lists goes anywhere, for an engine to answer with
+    /// its own error.
     fn candidates(&self, members: &[bool], tried: &[usize]) -> Vec<BackendView> {
+        let member = |id: usize| members.get(id).copied().unwrap_or(false);
         let mut views = self.views.clone();
         for v in &mut views {
-            v.healthy &= members.get(v.id).copied().unwrap_or(false);
+            v.healthy &= member(v.id);
         }
         if let Some(serves) = &self.serves {
-            if views.iter().any(|v| v.healthy && serves[v.id]) {
+            if views.iter().any(|v| member(v.id) && serves[v.id]) {
                 for v in &mut views {
                     v.healthy &= serves[v.id];
                 }

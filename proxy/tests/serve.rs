@@ -458,9 +458,26 @@ async fn unknown_routes_large_bodies_limits_and_models() {
         .send()
         .await;
     assert_eq!(ready.unwrap().status(), 200);
+
+    // The only replica serving `beta` goes down: its requests get the proxy's 503 with
+    // Retry-After, not a 404 from the replica that never served it.
+    b.shutdown().await.unwrap();
+    eventually("beta's replica marked down", || {
+        let fleet = fleet.clone();
+        async move { !fleet.backends[1].probe_healthy() }
+    })
+    .await;
+    let resp = client()
+        .post(format!("{base}/v1/completions"))
+        .json(&json!({"model": "beta", "prompt": "hi", "max_tokens": 1}))
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(resp.status(), 503);
+    assert_eq!(resp.headers()["x-headroom-error"], "no_backend");
+    assert!(resp.headers().contains_key("retry-after"));
     p.shutdown().await;
     a.shutdown().await.unwrap();
-    b.shutdown().await.unwrap();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

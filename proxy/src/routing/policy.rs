@@ -11,7 +11,6 @@
 //! | `kv_events` | the same cost, matched depths from the engines' KV events (kv_index.rs), falling back per replica to the approximate index |
 
 use std::collections::HashMap;
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
@@ -57,7 +56,18 @@ fn least_loaded_by<'a>(
 /// Each healthy replica in turn.
 #[derive(Debug, Default)]
 pub struct RoundRobin {
-    next: AtomicUsize,
+    /// Per replica id, the turn at which it was last picked (0: never). The pick is the healthy
+    /// candidate picked least recently, so every set of candidates a request may have (a pool,
+    /// the replicas serving one model, a shadow's candidate pool) takes turns on its own: one
+    /// shared counter stepped by every pick would let two interleaved sets starve each other's
+    /// replicas.
+    last: Mutex<LastPicked>,
+}
+
+#[derive(Debug, Default)]
+struct LastPicked {
+    turn: u64,
+    at: Vec<u64>,
 }
 
 impl RoutingPolicy for RoundRobin {
@@ -67,9 +77,20 @@ impl RoutingPolicy for RoundRobin {
 
     fn select(&self, _req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend> {
         let h = healthy(fleet)?;
-        let i = self.next.fetch_add(1, Ordering::Relaxed) % h.len();
+        let mut last = self.last.lock().unwrap_or_else(|e| e.into_inner());
+        let at = |id: usize, last: &LastPicked| last.at.get(id).copied().unwrap_or(0);
+        let b = h
+            .iter()
+            .min_by_key(|b| (at(b.id, &last), b.id))
+            .expect("healthy() returns at least one replica");
+        last.turn += 1;
+        let turn = last.turn;
+        if last.at.len() <= b.id {
+            last.at.resize(b.id + 1, 0);
+        }
+        last.at[b.id] = turn;
         Ok(Pick {
-            backend: h[i].id,
+            backend: b.id,
             matched_tokens: 0,
         })
     }
@@ -463,6 +484,41 @@ mod tests {
         }
         assert_eq!(rr.select(&req(&[], 1), &f), Err(NoBackend::NoneHealthy));
         assert_eq!(rr.select(&req(&[], 1), &[]), Err(NoBackend::Empty));
+    }
+
+    #[test]
+    fn round_robin_takes_turns_within_each_set_of_candidates() {
+        // A primary pool {0, 1} and a shadow's candidate pool {2, 3}, picked alternately (or
+        // two pools, or two models' replicas): each set still alternates.
+        let f = fleet(4);
+        let only = |ids: &[usize]| {
+            let mut v = f.clone();
+            for b in &mut v {
+                b.healthy = ids.contains(&b.id);
+            }
+            v
+        };
+        let (primary, shadow) = (only(&[0, 1]), only(&[2, 3]));
+        let rr = RoundRobin::default();
+        let picks: Vec<(usize, usize)> = (0..4)
+            .map(|_| {
+                (
+                    rr.select(&req(&[], 1), &primary).unwrap().backend,
+                    rr.select(&req(&[], 1), &shadow).unwrap().backend,
+                )
+            })
+            .collect();
+        assert_eq!(picks, vec![(0, 2), (1, 3), (0, 2), (1, 3)]);
+        // Requests that may only go to replica 2 keep it busy: those that may go anywhere take
+        // their turns on the others.
+        let single = only(&[2]);
+        let everyone = only(&[0, 1, 2, 3]);
+        let mut seen = Vec::new();
+        for _ in 0..6 {
+            rr.select(&req(&[], 1), &single).unwrap();
+            seen.push(rr.select(&req(&[], 1), &everyone).unwrap().backend);
+        }
+        assert_eq!(seen, vec![0, 1, 3, 0, 1, 3]);
     }
 
     #[test]
