@@ -168,8 +168,11 @@ pub struct PeerState {
 pub struct Peers {
     own: u64,
     expire: Duration,
-    /// This fleet's replicas: backend id by URL.
-    ids: HashMap<String, usize>,
+    /// This fleet's replicas: backend ids by URL (a URL listed twice is one engine under two
+    /// names: both see its work).
+    ids: HashMap<String, Vec<usize>>,
+    /// How many backends the fleet lists.
+    replicas: usize,
     heard: Mutex<HashMap<u64, Heard>>,
     /// Where the peers were last resolved to, and which of those addresses are this proxy's own.
     addresses: Mutex<Addresses>,
@@ -192,15 +195,18 @@ impl Peers {
     /// Peers of the proxy `own` in front of the replicas `urls` (by backend id), forgotten
     /// `expire` after they were last heard from.
     pub fn new(own: u64, urls: Vec<String>, expire: Duration) -> Self {
-        let ids = urls
-            .into_iter()
-            .enumerate()
-            .map(|(id, u)| (u.trim_end_matches('/').to_owned(), id))
-            .collect();
+        let replicas = urls.len();
+        let mut ids: HashMap<String, Vec<usize>> = HashMap::new();
+        for (id, u) in urls.into_iter().enumerate() {
+            ids.entry(u.trim_end_matches('/').to_owned())
+                .or_default()
+                .push(id);
+        }
         Self {
             own,
             expire,
             ids,
+            replicas,
             heard: Mutex::new(HashMap::new()),
             addresses: Mutex::new(Addresses::default()),
             token: None,
@@ -284,7 +290,7 @@ impl Peers {
     }
 
     fn replicas(&self) -> usize {
-        self.ids.len()
+        self.replicas
     }
 
     /// Takes in a report heard from `from` at `now`, and forgets the peers expired by then.
@@ -296,7 +302,12 @@ impl Peers {
         let mut unmatched = 0;
         for line in report.backends.iter().filter(|_| !own) {
             match self.ids.get(line.url.trim_end_matches('/')) {
-                Some(&id) => work[id] = line.work,
+                // A peer that lists the engine twice reports it twice: its work is the sum.
+                Some(ids) => {
+                    for &id in ids {
+                        work[id].add(&line.work);
+                    }
+                }
                 None => unmatched += 1,
             }
         }
@@ -729,6 +740,26 @@ mod tests {
 
     fn addr(port: u16) -> SocketAddr {
         SocketAddr::from(([127, 0, 0, 1], port))
+    }
+
+    #[test]
+    fn an_engine_listed_twice_sums_a_peers_lines_and_shows_on_both_names() {
+        // This fleet lists engine a under two names; the peer lists it twice too.
+        let urls = vec![
+            "http://a:1".into(),
+            "http://b:2".into(),
+            "http://a:1/".into(),
+        ];
+        let peers = Peers::new(7, urls, Duration::from_secs(1));
+        let t0 = Instant::now();
+        let r = report(1, &[("http://a:1", 3, 30, 0), ("http://a:1", 3, 0, 3)]);
+        assert_eq!(peers.heard(addr(1), &r, t0), Heeded::Peer { unmatched: 0 });
+        let both = Work {
+            in_flight: 6,
+            pending_prefill_tokens: 30,
+            decoding: 3,
+        };
+        assert_eq!(peers.foreign(t0), vec![both, Work::default(), both]);
     }
 
     #[test]
