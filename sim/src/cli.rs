@@ -39,7 +39,7 @@ pub enum LatencyModel {
 #[derive(Debug, Clone, Args)]
 pub struct SimArgs {
     /// Replicas to run, on ports PORT..PORT+N−1.
-    #[arg(long, default_value_t = 1)]
+    #[arg(long, default_value_t = 1, value_parser = clap::value_parser!(u16).range(1..))]
     pub replicas: u16,
     /// First port (0: any free port for each replica).
     #[arg(long, default_value_t = 8000)]
@@ -341,7 +341,24 @@ impl SimArgs {
             if tp == 0 {
                 bail!("--tp must be at least 1");
             }
+            // vLLM shards attention heads across the TP ranks (KV heads may be replicated).
+            let m = &d.model;
+            if m.heads % tp != 0 || (m.kv_heads % tp != 0 && tp % m.kv_heads != 0) {
+                bail!(
+                    "--tp {tp} does not divide {}'s {} attention heads and {} KV heads evenly",
+                    m.name,
+                    m.heads,
+                    m.kv_heads
+                );
+            }
             d.tp = tp;
+        }
+        // vLLM: "GPU memory utilization must be less than 1.0" (and above 0).
+        if !(self.gpu_memory_utilization > 0.0 && self.gpu_memory_utilization <= 1.0) {
+            bail!(
+                "--gpu-memory-utilization is the fraction of each GPU's memory vLLM may use, in (0, 1], got {}",
+                self.gpu_memory_utilization
+            );
         }
         d.gpu_memory_utilization = self.gpu_memory_utilization;
         d.kv_bytes = match self.kv_cache_dtype.as_str() {
@@ -429,8 +446,11 @@ impl SimArgs {
                 d.gpu_memory_utilization
             );
         }
-        if self.block_size == 0 {
-            bail!("--block-size must be positive");
+        if ![1, 8, 16, 32, 64, 128].contains(&self.block_size) {
+            bail!(
+                "--block-size {}: vLLM takes 1, 8, 16, 32, 64 or 128",
+                self.block_size
+            );
         }
         let kv_tokens = (num_gpu_blocks - 1) * u64::from(self.block_size);
         let max_model_len = match self.max_model_len {
@@ -448,6 +468,11 @@ impl SimArgs {
         let max_num_batched_tokens = self.max_num_batched_tokens.unwrap_or(default_tokens);
         if max_num_seqs == 0 || max_num_batched_tokens == 0 {
             bail!("--max-num-seqs and --max-num-batched-tokens must be positive");
+        }
+        if max_num_batched_tokens < max_num_seqs {
+            bail!(
+                "--max-num-batched-tokens ({max_num_batched_tokens}) must be greater than or equal to --max-num-seqs ({max_num_seqs}): every running sequence needs a token of each step's budget"
+            );
         }
         if !(0.0..=100.0).contains(&self.failure_injection_rate) {
             bail!(
@@ -628,11 +653,19 @@ pub fn knee_table(args: &SimArgs, context: u64) -> anyhow::Result<String> {
     r.mem_efficiency = args.mem_efficiency;
     r.compute_efficiency = args.compute_efficiency;
     r.overhead = Duration::from_secs_f64(args.step_overhead_ms / 1e3);
-    let kv_tokens = (args
+    let blocks = args
         .num_gpu_blocks
-        .unwrap_or_else(|| d.kv_blocks(args.block_size))
-        .saturating_sub(1))
-        * u64::from(args.block_size);
+        .unwrap_or_else(|| d.kv_blocks(args.block_size));
+    if blocks < 2 {
+        bail!(
+            "{} does not fit on {} × {} at --gpu-memory-utilization {}: no KV cache is left (raise --tp or set --num-gpu-blocks)",
+            d.model.name,
+            d.tp,
+            d.gpu.name,
+            d.gpu_memory_utilization
+        );
+    }
+    let kv_tokens = (blocks - 1) * u64::from(args.block_size);
     let memory_knee = kv_tokens / (context + 1);
     let mut out = format!(
         "{} on {} × {} (TP{}), decode at {context}-token context; KV cache {kv_tokens} tokens\n\n",
