@@ -65,8 +65,8 @@ pub struct Headroom {
     pub admission: Option<Arc<crate::admission::Admission>>,
     /// The pools, with their members as backend masks.
     pub pools: Vec<PoolPlan>,
-    /// Client API keys, when configured.
-    pub keys: Option<Arc<Keys>>,
+    /// Client API keys: the serving config's, whichever config this request runs on.
+    pub keys: crate::auth::KeySlot,
     /// What forwarding removes from and sets on request headers.
     pub headers: HeaderRules,
     /// Open requests and draining.
@@ -174,8 +174,10 @@ pub struct RequestCtx {
     pub completed: bool,
     /// What inspection learnt (generation requests).
     pub prompt: Option<PromptFacts>,
-    /// The client's API key (its index in the configured keys), once checked.
+    /// The client's API key (its index in `keys`), once checked.
     pub key: Option<usize>,
+    /// The keys it was checked against.
+    pub keys: Option<Arc<Keys>>,
     /// Counts the request open until the context is dropped.
     pub open: OpenRequest,
     /// The shadow copy of this request, waiting to hear how the primary ended.
@@ -229,9 +231,9 @@ impl Headroom {
             .unwrap_or(&self.pools[0])
     }
 
-    /// The configured key at `index` (a request's `ctx.key`).
-    fn client_key(&self, index: Option<usize>) -> Option<&crate::auth::ClientKey> {
-        index.zip(self.keys.as_ref()).map(|(i, keys)| keys.get(i))
+    /// The key a request was let in with.
+    fn client_key(ctx: &RequestCtx) -> Option<&crate::auth::ClientKey> {
+        ctx.key.zip(ctx.keys.as_ref()).map(|(i, keys)| keys.get(i))
     }
 
     /// The class of a request: its API key's, when the key has one; else its header's, when it
@@ -239,14 +241,14 @@ impl Headroom {
     /// class of the longest prompt threshold it reaches; else the default class.
     fn classify(
         &self,
-        key: Option<usize>,
+        key: Option<&crate::auth::ClientKey>,
         header: Option<String>,
         model: Option<&str>,
         path: &str,
         prompt_tokens: Option<u32>,
     ) -> String {
         let classes = &self.cfg.classes;
-        if let Some(c) = self.client_key(key).and_then(|k| k.class.clone()) {
+        if let Some(c) = key.and_then(|k| k.class.clone()) {
             return c;
         }
         if let Some(c) = header.filter(|c| classes.contains_key(c)) {
@@ -293,12 +295,13 @@ impl Headroom {
         // rate too), the allow-list; then the body.
         if let Some(keys) = self
             .keys
-            .as_deref()
+            .current()
             .filter(|_| !matches!(name, "health" | "preflight"))
         {
             let auth = session.req_header().headers.get(header::AUTHORIZATION);
             let i = keys.authenticate(auth.map(|v| v.as_bytes()))?;
             ctx.key = Some(i);
+            ctx.keys = Some(keys.clone());
             // A key's class is known before its rate is checked: its refusals count in it.
             if let Some(class) = keys.get(i).class.as_ref() {
                 ctx.pool = self.cfg.pool_of(class);
@@ -402,7 +405,7 @@ impl Headroom {
         };
         let session_key = header(self.cfg.routing.session_header.as_str());
         ctx.class = self.classify(
-            ctx.key,
+            Self::client_key(ctx),
             header(self.cfg.measure.class_header.as_str()),
             inspected.as_ref().and_then(|i| i.model.as_deref()),
             path,
@@ -738,6 +741,7 @@ impl ProxyHttp for Headroom {
             completed: false,
             prompt: None,
             key: None,
+            keys: None,
             open: self.lifecycle.open_request(),
             mirror: None,
         }
@@ -818,7 +822,7 @@ impl ProxyHttp for Headroom {
             self.finish_record(ctx);
         }
         if self.cfg.log.access {
-            let key = self.client_key(ctx.key).map(|k| k.name.as_str());
+            let key = Self::client_key(ctx).map(|k| k.name.as_str());
             let (pool, class) = if ctx.classified {
                 (ctx.pool.as_str(), ctx.class.as_str())
             } else {

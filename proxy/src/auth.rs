@@ -9,6 +9,7 @@
 //! | the key's limiter has a cell free (`rate_per_s`, `burst`) | 429 `rate_limited`, `Retry-After` = wait |
 
 use std::num::NonZeroU32;
+use std::sync::Arc;
 use std::time::Duration;
 
 use governor::clock::{Clock, DefaultClock};
@@ -167,6 +168,23 @@ pub(crate) fn bearer_token(value: &[u8]) -> Option<&[u8]> {
     }
     let token = rest.trim_ascii();
     (!token.is_empty()).then_some(token)
+}
+
+/// The API keys of the config now serving, shared by every config still finishing requests:
+/// a reload that removes a key stops it on connections opened before the reload too.
+#[derive(Debug, Clone, Default)]
+pub struct KeySlot(Arc<std::sync::RwLock<Option<Arc<Keys>>>>);
+
+impl KeySlot {
+    /// The keys of now (`None`: no keys are configured, every request passes).
+    pub fn current(&self) -> Option<Arc<Keys>> {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
+    }
+
+    /// Makes `keys` the ones every request is checked against from now on.
+    pub fn set(&self, keys: Option<Arc<Keys>>) {
+        *self.0.write().unwrap_or_else(|e| e.into_inner()) = keys;
+    }
 }
 
 #[cfg(test)]

@@ -78,6 +78,7 @@ pub struct ServeHandle {
     pub lifecycle: Arc<Lifecycle>,
     /// This process's id in its reports to peers (`/peers/load`).
     pub proxy_id: u64,
+    keys: crate::auth::KeySlot,
     live: watch::Sender<Live>,
     generation: Generation,
     accept_stop: watch::Sender<bool>,
@@ -127,6 +128,7 @@ impl ServeHandle {
             }
         }
         let shared = Shared {
+            keys: self.keys.clone(),
             metrics: self.metrics.clone(),
             stats: self.stats.clone(),
             shadow_stats: self.shadow_stats.clone(),
@@ -154,6 +156,7 @@ impl ServeHandle {
             }
         }
         let _ = self.live.send(next.live.clone());
+        self.keys.set(next.keys.clone());
         let old = std::mem::replace(&mut self.generation, next);
         old.retire();
         tracing::info!("config reloaded");
@@ -228,6 +231,9 @@ const QUEUE_CLOSE_WAIT: Duration = Duration::from_secs(1);
 
 /// What lives across reloads (the handle's public fields).
 struct Shared {
+    /// The API keys of the config now serving, read by every config's requests: a request that
+    /// arrives on a connection accepted before a reload is checked against the keys of now.
+    keys: crate::auth::KeySlot,
     metrics: Arc<Metrics>,
     stats: Arc<Stats>,
     shadow_stats: Arc<Stats>,
@@ -253,6 +259,8 @@ struct Live {
 struct Generation {
     cfg: Arc<ServeConfig>,
     live: Live,
+    /// This config's API keys: the ones every request is checked against once it serves.
+    keys: Option<Arc<crate::auth::Keys>>,
     /// Set when a newer config replaces this one: its keep-alive connections then close.
     retired: Arc<std::sync::atomic::AtomicBool>,
     /// Set while a newer config is being built from this one's state: this config's scrapes are
@@ -483,6 +491,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let cfg = Arc::new(cfg);
     let metrics = Arc::new(Metrics::new());
     let shared = Shared {
+        keys: crate::auth::KeySlot::default(),
         stats: Arc::new(Stats::default()),
         shadow_stats: Arc::new(Stats::default()),
         capture: Capture::start(&cfg.capture, metrics.capture.clone())?.map(Arc::new),
@@ -491,6 +500,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         metrics,
     };
     let generation = Generation::start(cfg.clone(), &shared, None)?;
+    shared.keys.set(generation.keys.clone());
     let tls = tls_acceptor(&cfg)?;
 
     let bind = |addr: String| async move {
@@ -553,6 +563,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         capture: shared.capture,
         lifecycle: shared.lifecycle,
         proxy_id: shared.proxy_id,
+        keys: shared.keys,
         live,
         generation,
         accept_stop,
@@ -662,6 +673,9 @@ impl Generation {
             recorder.clone(),
             inspect.block_tokens,
         );
+        let keys = crate::auth::Keys::from_config(&cfg.security)
+            .map_err(|e| ServeError::Config(e.to_string()))?
+            .map(Arc::new);
         let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let headroom = Headroom {
             lifecycle: shared.lifecycle.clone(),
@@ -686,9 +700,7 @@ impl Generation {
             capture: shared.capture.clone(),
             admission: admission.clone(),
             pools,
-            keys: crate::auth::Keys::from_config(&cfg.security)
-                .map_err(|e| ServeError::Config(e.to_string()))?
-                .map(Arc::new),
+            keys: shared.keys.clone(),
             headers: crate::forward::HeaderRules {
                 strip_authorization: !cfg.security.api_keys.is_empty(),
                 trust_forwarded: cfg.security.trust_forwarded_headers,
@@ -832,6 +844,7 @@ impl Generation {
             stop_rx,
         )));
         Ok(Self {
+            keys,
             cfg: cfg.clone(),
             live: Live {
                 cfg,

@@ -28,7 +28,7 @@ fn key(name: &str, secret: &str, class: Option<&str>, rate: Option<f64>) -> ApiK
     }
 }
 
-async fn proxy(url: &str, keys: Vec<ApiKeyConfig>, trust_forwarded: bool) -> ServeHandle {
+fn config(url: &str, keys: Vec<ApiKeyConfig>, trust_forwarded: bool) -> ServeConfig {
     let mut cfg = ServeConfig::quick("127.0.0.1:0", &[url.to_owned()], "least_load");
     cfg.admin_listen = "127.0.0.1:0".into();
     cfg.scrape.interval_ms = 0;
@@ -36,9 +36,40 @@ async fn proxy(url: &str, keys: Vec<ApiKeyConfig>, trust_forwarded: bool) -> Ser
     cfg.classes.insert("batch".into(), default);
     cfg.security.api_keys = keys;
     cfg.security.trust_forwarded_headers = trust_forwarded;
-    headroom_proxy::start(cfg.validated().unwrap())
+    cfg.validated().unwrap()
+}
+
+async fn proxy(url: &str, keys: Vec<ApiKeyConfig>, trust_forwarded: bool) -> ServeHandle {
+    headroom_proxy::start(config(url, keys, trust_forwarded))
         .await
         .unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_key_removed_by_a_reload_stops_on_connections_opened_before_it() {
+    let (url, _seen) = engine().await;
+    let mut h = proxy(&url, vec![key("old", "old-secret", None, None)], false).await;
+    // One connection, kept alive across the reload (one idle connection in the pool).
+    let client = reqwest::Client::builder()
+        .pool_max_idle_per_host(1)
+        .build()
+        .unwrap();
+    let addr = h.addr;
+    let send = |secret: &str| {
+        client
+            .post(format!("http://{addr}/v1/completions"))
+            .header("authorization", format!("Bearer {secret}"))
+            .json(&json!({"model": "m", "prompt": "hello there", "max_tokens": 1}))
+            .send()
+    };
+    assert_eq!(send("old-secret").await.unwrap().status(), 200);
+    let cfg = config(&url, vec![key("new", "new-secret", None, None)], false);
+    h.reload(cfg).await.unwrap();
+    let r = send("old-secret").await.unwrap();
+    assert_eq!(r.status(), 401);
+    assert_eq!(r.headers()["x-headroom-error"], "invalid_key");
+    assert_eq!(send("new-secret").await.unwrap().status(), 200);
+    h.shutdown().await;
 }
 
 async fn complete(h: &ServeHandle, headers: &[(&str, &str)]) -> reqwest::Response {
