@@ -53,8 +53,10 @@ pub(crate) mod lax {
             match self {
                 Self::Bool(b) => Some(i64::from(*b)),
                 Self::Int(i) => Some(*i),
-                // Integral and inside i64's range (2^63 itself is not).
-                Self::Float(f) if f.fract() == 0.0 && f.abs() < 9.223_372_036_854_775_8e18 => {
+                // Integral and inside i64's range (`i64::MAX as f64` is 2^63, just outside it).
+                Self::Float(f)
+                    if f.fract() == 0.0 && (i64::MIN as f64..i64::MAX as f64).contains(f) =>
+                {
                     Some(*f as i64)
                 }
                 Self::Float(_) => None,
