@@ -561,8 +561,11 @@ pub struct TimeoutConfig {
     /// A client that reads nothing of its response for this long (a full TCP window) is dropped
     /// and its upstream request cancelled.
     pub client_write_ms: u64,
-    /// A new connection must deliver its first request's whole header within this (slowloris).
+    /// A request's whole header must arrive within this: a new connection's from its opening, a
+    /// kept-alive connection's next one from its first byte (slowloris).
     pub header_read_ms: u64,
+    /// A kept-alive client connection waits at most this long, idle, for its next request.
+    pub keepalive_ms: u64,
     /// The whole request body must arrive within this after the header (408 past it); the body is
     /// read before the request waits for admission.
     pub body_read_ms: u64,
@@ -577,6 +580,7 @@ impl Default for TimeoutConfig {
             pool_idle_ms: 60_000,
             client_write_ms: 30_000,
             header_read_ms: 10_000,
+            keepalive_ms: 60_000,
             body_read_ms: 30_000,
         }
     }
@@ -1394,6 +1398,7 @@ impl Validate for ServeConfig {
             ("first_byte_ms", t.first_byte_ms),
             ("idle_ms", t.idle_ms),
             ("header_read_ms", t.header_read_ms),
+            ("keepalive_ms", t.keepalive_ms),
             ("client_write_ms", t.client_write_ms),
             ("body_read_ms", t.body_read_ms),
         ] {

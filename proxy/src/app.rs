@@ -771,6 +771,9 @@ impl ProxyHttp for Headroom {
     ) -> pingora::Result<bool> {
         ctx.start = Instant::now();
         ctx.arrival = SystemTime::now();
+        if let Some(conn) = client_conn(session) {
+            conn.header_parsed();
+        }
         ctx.request_id = request_id(session);
         if self.lifecycle.draining() || self.retired.load(std::sync::atomic::Ordering::Acquire) {
             // Clients reconnect: through the load balancer to a proxy that is staying, or to
@@ -795,9 +798,12 @@ impl ProxyHttp for Headroom {
                 .inc();
             ctx.status = e.status();
             ctx.error = Some(e.reason());
-            if e.kind == ErrorKind::ShuttingDown {
-                // The process is about to exit: the answer says so (`Connection: close`) rather
-                // than inviting another request on a connection that will not be there.
+            if e.kind == ErrorKind::ShuttingDown || !session.as_downstream_mut().is_body_done() {
+                // The process is about to exit, or the request was refused before its body was
+                // read: the answer says `Connection: close` rather than inviting another request
+                // on a connection that will not be there, or whose next request would have to
+                // be found past a body nobody wants (a draining read the keep-alive limits
+                // could not tell from the next request's header).
                 session.set_keepalive(None);
             }
             if !ctx.response_started {
@@ -809,10 +815,13 @@ impl ProxyHttp for Headroom {
 
     async fn logging(
         &self,
-        _session: &mut Session,
+        session: &mut Session,
         _e: Option<&pingora::Error>,
         ctx: &mut RequestCtx,
     ) {
+        if let Some(conn) = client_conn(session) {
+            conn.response_done();
+        }
         let status = ctx.status.to_string();
         self.metrics
             .requests
@@ -844,4 +853,12 @@ impl ProxyHttp for Headroom {
             );
         }
     }
+}
+
+/// The client connection a request came on (the accept loop wraps every one).
+fn client_conn(session: &Session) -> Option<&crate::client_conn::ClientConn> {
+    session
+        .as_downstream()
+        .stream()
+        .and_then(crate::client_conn::ClientConn::of)
 }

@@ -10,6 +10,7 @@
 //! - `shadow`: copies of a pool's requests to a candidate pool, measured and compared, discarded
 //! - `telemetry/`: Prometheus metrics, `/stats` windows, the trace capture writer
 //! - `auth`: client API keys (constant-time check, class, rate limit)
+//! - `client_conn`: a client connection's keep-alive idle limit and header deadline
 //! - `retry_budget`: retries as a bounded share of requests
 //! - `lifecycle`: open requests and draining at SIGTERM
 //! - `error`: proxy-made answers and their HTTP statuses, in one place
@@ -17,6 +18,7 @@
 pub mod admission;
 pub mod app;
 pub mod auth;
+pub mod client_conn;
 pub mod error;
 pub mod forward;
 pub mod lifecycle;

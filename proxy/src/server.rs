@@ -526,6 +526,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         budget: Duration::from_millis(cfg.timeouts.header_read_ms),
         max_bytes: cfg.limits.max_header_bytes as usize + 8192,
         closed: shared.metrics.slow_headers_closed.clone(),
+        keepalive: Duration::from_millis(cfg.timeouts.keepalive_ms),
     };
     // Listening stops on its own signal: a draining proxy still runs everything else.
     let (accept_stop, accept_rx) = watch::channel(false);
@@ -875,6 +876,8 @@ impl Generation {
 #[derive(Debug, Clone)]
 struct FirstHeader {
     budget: Duration,
+    /// How long a kept-alive connection may wait idle for its next request.
+    keepalive: Duration,
     /// Request line and header block at most; a fuller receive queue is handed on as it is
     /// (the header limits then answer 431).
     max_bytes: usize,
@@ -1051,6 +1054,18 @@ async fn accept_loop(
                     }
                 }
             };
+            // Every later request of the connection is held to the same header deadline, and
+            // the connection to an idle limit between requests.
+            let limits = crate::client_conn::ConnLimits {
+                header: first_header.budget,
+                keepalive: first_header.keepalive,
+                slow_headers: first_header.closed.clone(),
+            };
+            let stream: pingora::protocols::Stream = Box::new(crate::client_conn::ClientConn::new(
+                stream,
+                limits,
+                tls.is_some(),
+            ));
             let mut next: Option<pingora::protocols::Stream> = Some(stream);
             while let Some(s) = next {
                 next = app.process_new(s, &shutdown).await;

@@ -226,6 +226,120 @@ async fn slow_clients_are_cut_off_without_slowing_others() {
     );
 }
 
+/// The header a simulated replica needs on a request body.
+const JSON: &str = "content-type: application/json\r\n";
+
+/// Reads one response on a kept-alive connection: up to the end of its chunked body, or 10 s.
+async fn read_response(tcp: &mut TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 65_536];
+    let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
+    while !got.ends_with(b"\r\n0\r\n\r\n") {
+        match tokio::time::timeout_at(deadline, tcp.read(&mut buf)).await {
+            Ok(Ok(n)) if n > 0 => got.extend_from_slice(&buf[..n]),
+            _ => break,
+        }
+    }
+    String::from_utf8_lossy(&got).into()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn kept_alive_connections_are_held_to_the_header_deadline_and_an_idle_limit() {
+    // 40 tokens 20 ms apart: a stream longer than both limits.
+    let replica = common::sim(5, 20, &[]).await;
+    let h = proxy(&replica.url(), |c| {
+        c.timeouts.header_read_ms = 300;
+        c.timeouts.keepalive_ms = 400;
+    })
+    .await;
+    let stream = r#"{"prompt":"hello","max_tokens":40,"ignore_eos":true,"stream":true}"#;
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    // Neither limit cuts a request in progress, nor the next one sent at once.
+    for _ in 0..2 {
+        tcp.write_all(&keepalive_request(JSON, stream))
+            .await
+            .unwrap();
+        let t = Instant::now();
+        let r = read_response(&mut tcp).await;
+        assert_eq!(status(&r), 200, "{r}");
+        assert!(r.contains("data: [DONE]"), "{r}");
+        assert!(
+            t.elapsed() > Duration::from_millis(600),
+            "{:?}",
+            t.elapsed()
+        );
+    }
+    // Idle past the keep-alive limit: closed, quietly.
+    let (r, closed) = read_all(&mut tcp, Duration::from_secs(5)).await;
+    assert!(closed && r.is_empty(), "{r:?}");
+
+    // The second request's header trickles: closed past the header deadline, and counted.
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    let one = r#"{"prompt":"hello","max_tokens":1}"#;
+    tcp.write_all(&keepalive_request(JSON, one)).await.unwrap();
+    let r = read_response_whole(&mut tcp).await;
+    assert_eq!(status(&r), 200, "{r}");
+    tcp.write_all(b"POST /v1/completions HTTP/1.1\r\n")
+        .await
+        .unwrap();
+    let mut cut = false;
+    for _ in 0..20 {
+        tokio::time::sleep(Duration::from_millis(100)).await;
+        if tcp.write_all(b"x-a: 1\r\n").await.is_err() {
+            cut = true;
+            break;
+        }
+        let mut one = [0u8; 1];
+        if let Ok(Ok(0) | Err(_)) =
+            tokio::time::timeout(Duration::from_millis(1), tcp.read(&mut one)).await
+        {
+            cut = true;
+            break;
+        }
+    }
+    assert!(cut, "a trickled second header was not cut within 2 s");
+    let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    assert_eq!(
+        common::metric(&m, "headroom_slow_header_connections_closed_total"),
+        1.0
+    );
+
+    // A request refused before its body was read closes its connection, and says so.
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    tcp.write_all(b"POST /v2/nothing HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nhello")
+        .await
+        .unwrap();
+    let (r, closed) = read_all(&mut tcp, Duration::from_secs(5)).await;
+    assert_eq!(status(&r), 404, "{r}");
+    assert!(r.to_ascii_lowercase().contains("connection: close"), "{r}");
+    assert!(closed);
+    h.shutdown().await;
+}
+
+/// Reads one whole (content-length) response on a kept-alive connection.
+async fn read_response_whole(tcp: &mut TcpStream) -> String {
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 65_536];
+    loop {
+        let n = tokio::time::timeout(Duration::from_secs(10), tcp.read(&mut buf))
+            .await
+            .unwrap()
+            .unwrap();
+        got.extend_from_slice(&buf[..n]);
+        let text = String::from_utf8_lossy(&got).to_string();
+        if let Some((head, body)) = text.split_once("\r\n\r\n") {
+            let len = head.lines().find_map(|l| {
+                l.to_ascii_lowercase()
+                    .strip_prefix("content-length: ")
+                    .map(|v| v.trim().parse::<usize>().unwrap())
+            });
+            if len.is_some_and(|l| body.len() >= l) || n == 0 {
+                return text;
+            }
+        }
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_line_without_end_is_capped_and_cut() {
     let (url, seen) = recording_engine().await;

@@ -41,7 +41,7 @@ pub struct Metrics {
     pub retries_over_budget: IntCounter,
     /// Requests open at the proxy (read, queued, forwarded or being relayed).
     pub open_requests: prometheus::IntGauge,
-    /// Connections closed because their first request header did not arrive in time.
+    /// Connections closed because a request header did not arrive in time.
     pub slow_headers_closed: IntCounter,
     /// Requests made with each client API key, by outcome (`accepted`, `rate_limited`).
     pub key_requests: IntCounterVec,
@@ -340,7 +340,7 @@ impl Metrics {
             .expect("valid metric"),
             slow_headers_closed: IntCounter::new(
                 "headroom_slow_header_connections_closed_total",
-                "Connections closed because their first request header did not arrive within timeouts.header_read_ms (slowloris).",
+                "Connections closed because a request header did not arrive whole within timeouts.header_read_ms (slowloris).",
             )
             .expect("valid metric"),
             key_requests: counter(
