@@ -341,6 +341,19 @@ impl Headroom {
             // Without the engine's key (its CORS middleware answers preflights unasked for one),
             // and without a body.
             Route::Preflight => self.pass_through(session, ctx, Bytes::new()).await,
+            // The probe needs no key, so it takes no more than a probe: GET or HEAD, no body.
+            Route::PassThrough if name == "health" => {
+                if method != Method::GET && method != Method::HEAD {
+                    return Err(ProxyError::method_not_allowed(&method, &path, "GET, HEAD"));
+                }
+                if !session.as_downstream_mut().is_body_empty() {
+                    return Err(ProxyError::new(
+                        ErrorKind::BadRequest,
+                        "a health probe carries no body",
+                    ));
+                }
+                self.pass_through(session, ctx, Bytes::new()).await
+            }
             Route::PassThrough => {
                 let body = self.read_body(session).await?;
                 self.pass_through(session, ctx, body).await

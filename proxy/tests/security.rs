@@ -113,11 +113,33 @@ async fn keys_are_checked_before_any_engine_sees_the_request() {
         .unwrap();
     assert_eq!(r.status(), 401);
     assert!(seen.requests() == 0, "an engine saw a refused request");
-    // Probes stay open.
+    // Probes stay open, as probes: GET or HEAD without a body; anything else is refused before
+    // an engine sees it.
     let r = reqwest::get(format!("http://{}/health", h.addr))
         .await
         .unwrap();
     assert_eq!(r.status(), 200);
+    let probe = |method: reqwest::Method, body: &'static str| {
+        reqwest::Client::new()
+            .request(method, format!("http://{}/health", h.addr))
+            .body(body)
+            .send()
+    };
+    let r = probe(reqwest::Method::HEAD, "").await.unwrap();
+    assert_eq!(r.status(), 200);
+    let r = probe(reqwest::Method::TRACE, "").await.unwrap();
+    assert_eq!(r.status(), 405);
+    assert_eq!(r.headers()["allow"], "GET, HEAD");
+    // Answered by the proxy itself (its error header), not by an engine.
+    for (method, body, status) in [
+        (reqwest::Method::POST, "x", 405),
+        (reqwest::Method::DELETE, "", 405),
+        (reqwest::Method::GET, "body", 400),
+    ] {
+        let r = probe(method, body).await.unwrap();
+        assert_eq!(r.status(), status);
+        assert!(r.headers().contains_key("x-headroom-error"));
+    }
     // So does a browser's CORS preflight, which carries no key: the engine answers it. An
     // unknown path is still refused first.
     let preflight = |path: &str| {
