@@ -155,6 +155,8 @@ impl ProxyError {
             404 => "NotFoundError",
             405 => "MethodNotAllowedError",
             429 => "RateLimitError",
+            502 => "BadGatewayError",
+            504 => "GatewayTimeoutError",
             _ => "ServiceUnavailableError",
         };
         serde_json::to_vec(&serde_json::json!({
@@ -197,5 +199,12 @@ mod tests {
         let body: serde_json::Value = serde_json::from_slice(&e.body()).unwrap();
         assert_eq!(body["error"]["code"], 404);
         assert_eq!(body["error"]["message"], "/admin");
+        let kind = |k| {
+            let body = ProxyError::new(k, "x").body();
+            serde_json::from_slice::<serde_json::Value>(&body).unwrap()["error"]["type"].clone()
+        };
+        assert_eq!(kind(ErrorKind::UpstreamConnect), "BadGatewayError");
+        assert_eq!(kind(ErrorKind::UpstreamTimeout), "GatewayTimeoutError");
+        assert_eq!(kind(ErrorKind::NoBackend), "ServiceUnavailableError");
     }
 }
