@@ -429,8 +429,12 @@ impl Headroom {
                 }
             };
             let backend = self.fleet.backends[pick.backend].clone();
-            if attempt == 0 && out.record {
+            // Every attempt's replica is told: a retry's replica is the one that gets the prompt
+            // when the first never did (a failed connect), so its history must say so.
+            if out.record {
                 policy.record(&out.route, &pick);
+            }
+            if attempt == 0 && out.record {
                 self.metrics
                     .routed_prompt_tokens
                     .inc_by(u64::from(out.route.prompt_tokens));

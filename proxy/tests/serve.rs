@@ -274,6 +274,60 @@ async fn a_dead_or_failing_replica_is_avoided() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_got_it() {
+    let live = sim(&[]).await;
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    let tune = |c: &mut ServeConfig| {
+        c.health.interval_ms = 60_000;
+        c.health.eject_after = 1000;
+        c.limits.retry_budget_ratio = 1.0;
+    };
+    // The same prompts through the live replica alone, and with a dead one listed first: the
+    // live replica's history must come out the same.
+    let alone = proxy(&[live.url()], "prefix_affinity", tune).await;
+    let both = proxy(&[dead, live.url()], "prefix_affinity", tune).await;
+    let mut blocks = Vec::new();
+    for p in [&alone, &both] {
+        // Prompts apart from their first block: each cold one's first pick is a hash of it, so
+        // about half of them meet the dead replica first.
+        for i in 0..16 {
+            let system = format!("prompt{i} of this test, with words enough for two blocks");
+            let resp = client()
+                .post(format!("http://{}/v1/chat/completions", p.addr))
+                .json(&chat(&system, &format!("question {i}"), 2, false))
+                .send()
+                .await
+                .unwrap();
+            assert_eq!(resp.status(), 200);
+            resp.bytes().await.unwrap();
+        }
+        let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
+        let name = p.fleet().backends.last().unwrap().name.clone();
+        let line = format!("headroom_prefix_index_blocks{{backend=\"{name}\"}} ");
+        let n: f64 = m
+            .lines()
+            .find_map(|l| l.strip_prefix(&line).and_then(|v| v.parse().ok()))
+            .unwrap_or(0.0);
+        blocks.push(n);
+        if std::ptr::eq(p, &both) {
+            assert!(
+                m.lines().any(|l| l.starts_with("headroom_upstream_retries_total")
+                    && !l.ends_with(" 0")),
+                "no request met the dead replica first"
+            );
+        }
+    }
+    assert!(blocks[0] > 0.0, "{blocks:?}");
+    assert_eq!(blocks[0], blocks[1]);
+    alone.shutdown().await;
+    both.shutdown().await;
+    live.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
     let a = sim(&["--failure-injection-rate", "100", "--failure-status", "503"]).await;
     let b = sim(&[]).await;
