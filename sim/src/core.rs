@@ -611,6 +611,11 @@ impl Core {
         m.e2e.observe(now.saturating_sub(seq.arrival).as_secs_f64());
         m.request_prompt_tokens.observe(f64::from(seq.prompt_len));
         m.request_generation_tokens.observe(f64::from(produced));
+        m.request_params_n.observe(1.0);
+        m.request_params_max_tokens
+            .observe(f64::from(seq.max_tokens));
+        m.request_max_num_generation_tokens
+            .observe(f64::from(seq.max_tokens));
         if let (Some(sched), Some(first), Some(last)) =
             (seq.first_scheduled, seq.first_token, seq.last_token)
         {

@@ -101,6 +101,12 @@ pub struct Metrics {
     pub request_prompt_tokens: Histogram,
     /// `vllm:request_generation_tokens`.
     pub request_generation_tokens: Histogram,
+    /// `vllm:request_params_n` (always 1: the simulator serves n=1).
+    pub request_params_n: Histogram,
+    /// `vllm:request_params_max_tokens`.
+    pub request_params_max_tokens: Histogram,
+    /// `vllm:request_max_num_generation_tokens` (n=1: the request's max_tokens).
+    pub request_max_num_generation_tokens: Histogram,
     /// `vllm:iteration_tokens_total`.
     pub iteration_tokens: Histogram,
     /// `headroom_sim_step_lateness_seconds`.
@@ -329,6 +335,21 @@ impl Metrics {
             request_generation_tokens: b.histogram(
                 "vllm:request_generation_tokens",
                 "Number of generation tokens processed.",
+                &token_buckets,
+            ),
+            request_params_n: b.histogram(
+                "vllm:request_params_n",
+                "Histogram of the n request parameter.",
+                &[1.0, 2.0, 5.0, 10.0, 20.0],
+            ),
+            request_params_max_tokens: b.histogram(
+                "vllm:request_params_max_tokens",
+                "Histogram of the max_tokens request parameter.",
+                &token_buckets,
+            ),
+            request_max_num_generation_tokens: b.histogram(
+                "vllm:request_max_num_generation_tokens",
+                "Histogram of maximum number of requested generation tokens.",
                 &token_buckets,
             ),
             iteration_tokens: b.histogram(

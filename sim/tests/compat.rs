@@ -624,10 +624,29 @@ async fn metrics_expose_every_vllm_family_by_name() {
         "vllm:request_decode_time_seconds",
         "vllm:request_inference_time_seconds",
         "vllm:iteration_tokens_total",
+        "vllm:request_params_n",
+        "vllm:request_params_max_tokens",
+        "vllm:request_max_num_generation_tokens",
         "vllm:cache_config_info",
     ] {
         assert!(text.contains(&format!("# TYPE {name} ")), "{name} missing");
     }
+    // The request asked for 3 tokens: the max_tokens families count it at 3, in the bucket ≤ 5.
+    for name in [
+        "vllm:request_params_max_tokens",
+        "vllm:request_max_num_generation_tokens",
+    ] {
+        assert!(
+            text.contains(&format!(
+                "{name}_sum{{engine=\"0\",model_name=\"{MODEL}\"}} 3"
+            )),
+            "{name}"
+        );
+    }
+    // A request's time per output token lands in vLLM's fine buckets (1 ms ITL here).
+    assert!(text.contains(&format!(
+        "vllm:request_time_per_output_token_seconds_bucket{{engine=\"0\",model_name=\"{MODEL}\",le=\"0.01\"}} 1"
+    )));
     assert!(text.contains(&format!("vllm:request_success_total{{engine=\"0\",finished_reason=\"length\",model_name=\"{MODEL}\"}} 1")));
     assert!(text.contains("vllm:time_to_first_token_seconds_bucket{engine=\"0\",model_name=\"sim-model\",le=\"0.001\"}"));
     assert_eq!(metric(&r, "vllm:generation_tokens_total").await, 3.0);
