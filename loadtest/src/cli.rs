@@ -816,6 +816,15 @@ async fn replay_with(
         // The contract says the run is not the whole of what it planned.
         contract["interrupted"] = json!({"finished": results.len(), "planned": total});
     }
+    if results.len() < total {
+        // `--duration` (or an interruption) ended the schedule early: the contract describes the
+        // rows that were sent (the first ones of the schedule), not the whole slice.
+        let sent = &records[..results.len()];
+        contract["trace"]["requests"] = json!(sent.len());
+        contract["trace"]["requests_planned"] = json!(total);
+        contract["input_tokens"] = length_stats(sent.iter().map(|r| r.input_length));
+        contract["output_tokens"] = length_stats(sent.iter().map(|r| r.output_length));
+    }
     let stalls = stall_meter.finish();
     if let Some(progress) = progress {
         progress.abort();

@@ -125,6 +125,33 @@ async fn replays_hit_contracted_lengths_on_both_endpoints_and_write_their_contra
         );
     }
 
+    // A duration that ends the schedule early: the contract describes the rows sent.
+    let short = dir.join("short");
+    let doc = read(
+        &run_replay(replay_args(&[
+            "--trace",
+            trace.to_str().unwrap(),
+            "--target",
+            &r.url(),
+            "--rate",
+            "40",
+            "--duration",
+            "0.2",
+            "--quiet",
+            "--out",
+            short.to_str().unwrap(),
+        ]))
+        .await
+        .unwrap(),
+    );
+    let sent = doc["requests"].as_array().unwrap().len();
+    assert!(sent > 0 && sent < 24, "{sent}");
+    let c = &doc["contract"];
+    assert_eq!(c["trace"]["requests"], sent);
+    assert_eq!(c["trace"]["requests_planned"], 24);
+    assert_eq!(c["input_tokens"]["count"], sent);
+    assert_eq!(c["output_tokens"]["count"], sent);
+
     // The same contract but the endpoint: one difference, so it is a comparison.
     let (text, _) = headroom_loadtest::analysis::compare(
         &read(&dir.join("completions/result.json")),

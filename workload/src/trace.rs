@@ -508,10 +508,12 @@ pub struct Import {
 }
 
 /// The prefix-cache hit rate (hit tokens / prompt tokens) the trace's hash ids imply for a
-/// cache of `cache_tokens`, replaying requests in order through an LRU of full blocks: a request
+/// cache of `cache_tokens`, replaying requests in order through an LRU of blocks: a request
 /// hits the leading run of its blocks still cached (at most `input_length − 1` tokens, as vLLM
-/// always computes the last prompt token), then its full blocks become most recently used, its
-/// last block most evictable (vLLM frees a request's blocks tail first).
+/// always computes the last prompt token), then its blocks become most recently used, its last
+/// block most evictable (vLLM frees a request's blocks tail first). A last, partial block is a
+/// block of its own length: the same hash id at the same length (a repeated short prompt) hits
+/// with its tokens, since an engine with smaller blocks than the trace's shares them too.
 pub fn offline_prefix_hit_rate(records: &[TraceRecord], cache_tokens: u64) -> f64 {
     use std::collections::{BTreeMap, HashMap};
     let Some(first) = records.first() else {
@@ -525,19 +527,33 @@ pub fn offline_prefix_hit_rate(records: &[TraceRecord], cache_tokens: u64) -> f6
     let (mut queries, mut hits) = (0u64, 0u64);
     for r in records {
         let full = (u64::from(r.input_length) / bt) as usize;
-        let mut keys = Vec::with_capacity(full);
+        let partial = u64::from(r.input_length) % bt;
+        // (chained key, tokens it covers)
+        let mut keys = Vec::with_capacity(full + 1);
         let mut parent = 0x6865_6164_726f_6f6d_u64;
         for id in r.hash_ids.iter().take(full) {
             parent = xxhash_rust::xxh3::xxh3_64_with_seed(&id.to_le_bytes(), parent);
-            keys.push(parent);
+            keys.push((parent, bt));
         }
-        let hit_blocks = keys.iter().take_while(|k| last_use.contains_key(k)).count() as u64;
+        if let (true, Some(id)) = (partial > 0, r.hash_ids.get(full)) {
+            let mut bytes = id.to_le_bytes().to_vec();
+            bytes.extend_from_slice(&partial.to_le_bytes());
+            keys.push((
+                xxhash_rust::xxh3::xxh3_64_with_seed(&bytes, parent),
+                partial,
+            ));
+        }
+        let hit_tokens: u64 = keys
+            .iter()
+            .take_while(|(k, _)| last_use.contains_key(k))
+            .map(|(_, n)| n)
+            .sum();
         queries += u64::from(r.input_length);
-        hits += (hit_blocks * bt).min(u64::from(r.input_length).saturating_sub(1));
+        hits += hit_tokens.min(u64::from(r.input_length).saturating_sub(1));
         if capacity == 0 {
             continue;
         }
-        for k in keys.iter().rev() {
+        for (k, _) in keys.iter().rev() {
             tick += 1;
             if let Some(old) = last_use.insert(*k, tick) {
                 order.remove(&old);
@@ -714,6 +730,25 @@ mod tests {
         // Room for one block: the second request's block 1 survives (block 2 goes first).
         let one = offline_prefix_hit_rate(&trace, 512);
         assert!((one - (512.0 + 512.0) / 3072.0).abs() < 1e-9, "{one}");
+    }
+
+    #[test]
+    fn a_repeated_partial_block_hits_with_its_own_tokens() {
+        let r = |len: u32, ids: Vec<u64>| TraceRecord {
+            input_length: len,
+            output_length: 1,
+            hash_ids: ids,
+            ..TraceRecord::default()
+        };
+        // A short prompt repeated: 399 of its 400 tokens hit from the second on.
+        let same: Vec<_> = (0..100).map(|_| r(400, vec![7])).collect();
+        let rate = offline_prefix_hit_rate(&same, 1 << 20);
+        assert!((rate - 99.0 * 399.0 / 40_000.0).abs() < 1e-9, "{rate}");
+        // The same id at another length is other content: no hit on it. A longer prompt whose
+        // full blocks match hits them, and its own partial block only when repeated.
+        let trace = vec![r(700, vec![1, 2]), r(600, vec![1, 2]), r(700, vec![1, 2])];
+        let rate = offline_prefix_hit_rate(&trace, 1 << 20);
+        assert!((rate - (512.0 + 699.0) / 2000.0).abs() < 1e-9, "{rate}");
     }
 
     #[test]
