@@ -113,6 +113,11 @@ impl Capture {
             std::fs::create_dir_all(dir).map_err(err)?;
         }
         let file = CaptureFile::open(&path).map_err(err)?;
+        // Both reasons exist from the start at 0, so the first loss is an increase a rate or an
+        // alert sees (a series born at its first value shows none).
+        for reason in ["buffer_full", "write_error"] {
+            counters.dropped.with_label_values(&[reason]);
+        }
         let key = match &cfg.id_key {
             Some(k) => k.as_bytes().to_vec(),
             None => random_key(),
@@ -232,6 +237,9 @@ struct CaptureFile {
     opened: SystemTime,
     opened_at: Instant,
     bytes: u64,
+    /// Records in `out`'s buffer not yet flushed to the file: written once a flush succeeds, lost
+    /// if it fails.
+    unflushed: u64,
 }
 
 impl CaptureFile {
@@ -243,6 +251,7 @@ impl CaptureFile {
             opened: SystemTime::now(),
             opened_at: Instant::now(),
             bytes,
+            unflushed: 0,
         })
     }
 }
@@ -320,7 +329,7 @@ impl Writer {
         if self.file.is_none() {
             match CaptureFile::open(&self.path) {
                 Ok(f) => self.file = Some(f),
-                Err(e) => return self.failed(&e),
+                Err(e) => return self.failed(&e, 1),
             }
         }
         let Some(f) = self.file.as_mut() else { return };
@@ -339,35 +348,42 @@ impl Writer {
         );
         let mut line = match serde_json::to_vec(&r) {
             Ok(l) => l,
-            Err(e) => return self.failed(&std::io::Error::other(e)),
+            Err(e) => return self.failed(&std::io::Error::other(e), 1),
         };
         line.push(b'\n');
         match f.out.write_all(&line) {
             Ok(()) => {
                 f.bytes += line.len() as u64;
-                self.counters.written.inc();
+                f.unflushed += 1;
             }
             Err(e) => {
+                // This record and every one still buffered are lost with the file.
+                let lost = f.unflushed + 1;
                 self.file = None;
-                self.failed(&e);
+                self.failed(&e, lost);
             }
         }
     }
 
     fn flush(&mut self) {
         if let Some(f) = self.file.as_mut() {
-            if let Err(e) = f.out.flush() {
-                self.file = None;
-                self.failed(&e);
+            let buffered = std::mem::take(&mut f.unflushed);
+            match f.out.flush() {
+                Ok(()) => self.counters.written.inc_by(buffered),
+                Err(e) => {
+                    self.file = None;
+                    self.failed(&e, buffered);
+                }
             }
         }
     }
 
-    fn failed(&mut self, e: &std::io::Error) {
+    /// `lost` records could not be written: counted, and logged (at powers of two of failures).
+    fn failed(&mut self, e: &std::io::Error, lost: u64) {
         self.counters
             .dropped
             .with_label_values(&["write_error"])
-            .inc();
+            .inc_by(lost);
         self.errors_logged += 1;
         if self.errors_logged.is_power_of_two() {
             tracing::error!(
@@ -649,6 +665,37 @@ mod tests {
             headroom_workload::trace::read_jsonl(std::io::BufReader::new(text.as_bytes())).unwrap();
         assert_eq!(recs[0].hash_ids[..2], recs[1].hash_ids[..2]);
         assert_ne!(recs[0].hash_ids[2], recs[1].hash_ids[2]);
+    }
+
+    #[test]
+    fn records_a_failing_disk_loses_are_each_counted_and_none_as_written() {
+        // Every write to /dev/full fails with ENOSPC, when the buffer is flushed.
+        if !Path::new("/dev/full").exists() {
+            return;
+        }
+        let cfg = CaptureConfig {
+            path: Some("/dev/full".into()),
+            ..CaptureConfig::default()
+        };
+        let c = counters();
+        let cap = Capture::start(&cfg, c.clone()).unwrap().unwrap();
+        // Both reasons are there at 0 before any loss.
+        let reasons = |c: &CaptureCounters| {
+            use prometheus::core::Collector;
+            c.dropped
+                .collect()
+                .iter()
+                .map(|f| f.get_metric().len())
+                .sum::<usize>()
+        };
+        assert_eq!(reasons(&c), 2);
+        for i in 0..12 {
+            cap.submit(pending(i, SystemTime::now()));
+        }
+        cap.flush(Duration::from_secs(10));
+        drop(cap);
+        assert_eq!(c.written.get(), 0);
+        assert_eq!(c.dropped.with_label_values(&["write_error"]).get(), 12);
     }
 
     #[test]
