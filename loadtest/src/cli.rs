@@ -809,6 +809,11 @@ async fn replay_with(
     let progress = (!a.quiet).then(|| spawn_progress(counters.clone(), total));
     let stall_meter = StallMeter::start().context("starting the client stall probe")?;
     let stop = opts.stop.clone();
+    // The wall clock at the run's time zero: shards of one run are merged on it.
+    let open_loop = !matches!(arrivals, Arrivals::Concurrency(_));
+    let started_unix_ms = (std::time::SystemTime::now() + replay::start_lead(open_loop))
+        .duration_since(std::time::UNIX_EPOCH)
+        .map_or(0.0, |d| d.as_secs_f64() * 1e3);
     let results = replay::run(records.clone(), opts, counters).await;
     let interrupted = stop.load(Ordering::Relaxed);
     let mut contract = contract;
@@ -848,7 +853,7 @@ async fn replay_with(
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let result_path = a.out.join("result.json");
     let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "client_stalls": stalls,
-        "itl_buckets": report::itl_buckets(&results), "requests": rows});
+        "started_unix_ms": started_unix_ms, "itl_buckets": report::itl_buckets(&results), "requests": rows});
     outputs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
     outputs::write(&a.out.join("requests.csv"), report::to_csv(&rows))?;
     outputs::write(&a.out.join("report.html"), pages::replay_page(&doc)?)?;
@@ -1366,8 +1371,23 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 .map(|p| read_json(p))
                 .collect::<anyhow::Result<Vec<_>>>()?;
             let first = &docs[0];
+            // Each shard's times count from its own start: on one clock, from the earliest.
+            let starts: Option<Vec<f64>> =
+                docs.iter().map(|d| d["started_unix_ms"].as_f64()).collect();
+            let offsets = match &starts {
+                Some(s) => {
+                    let t0 = s.iter().copied().fold(f64::INFINITY, f64::min);
+                    s.iter().map(|t| t - t0).collect()
+                }
+                None => {
+                    eprintln!(
+                        "headroom report merge: a result has no start time (written by an older headroom): its shards are merged as if they started together"
+                    );
+                    vec![0.0; docs.len()]
+                }
+            };
             let mut rows: Vec<RequestRow> = Vec::new();
-            for (doc, path) in docs.iter().zip(&a.results) {
+            for ((doc, path), offset) in docs.iter().zip(&a.results).zip(&offsets) {
                 let diffs = analysis::contract_differences(&first["contract"], &doc["contract"]);
                 // Shards differ in their slice of the trace and its length statistics only.
                 let unexpected: Vec<&String> = diffs
@@ -1382,6 +1402,10 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 }
                 let mut part: Vec<RequestRow> = serde_json::from_value(doc["requests"].clone())
                     .with_context(|| format!("{} is not a replay result", path.display()))?;
+                for r in &mut part {
+                    r.sent_ms += offset;
+                    r.scheduled_ms = r.scheduled_ms.map(|s| s + offset);
+                }
                 rows.append(&mut part);
             }
             check_shards(&docs, &a.results, &rows)?;
@@ -1409,7 +1433,8 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             contract["trace"]["shard"] = Value::Null;
             contract["input_tokens"] = length_stats(rows.iter().map(|r| r.input_length));
             contract["output_tokens"] = length_stats(rows.iter().map(|r| r.output_length));
-            let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "requests": rows,
+            let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary,
+                             "started_unix_ms": starts.map(|s| s.iter().copied().fold(f64::INFINITY, f64::min)), "requests": rows,
                              "note": "merged from shards: ITL per chunk is not kept per request, so the merged ITL distribution is empty"});
             outputs::write(
                 &a.out.join("result.json"),

@@ -291,6 +291,16 @@ async fn send_one(
 }
 
 /// Replays `records` against the target; returns one result per request sent, in trace order.
+/// How long after the call [`run`] starts its clock: open-loop schedules start a moment after
+/// now, so the body builder is ahead from the first send; a closed loop starts at once.
+pub fn start_lead(open_loop: bool) -> Duration {
+    if open_loop {
+        Duration::from_millis(200)
+    } else {
+        Duration::ZERO
+    }
+}
+
 pub async fn run(
     records: Vec<TraceRecord>,
     opts: ReplayOptions,
@@ -321,12 +331,7 @@ pub async fn run(
             .map(|at| at.min(LATEST_SEND))
             .collect::<Vec<_>>()
     });
-    // Open-loop schedules start a moment after now, so the body builder is ahead from the first send.
-    let lead = if plan.is_some() {
-        Duration::from_millis(200)
-    } else {
-        Duration::ZERO
-    };
+    let lead = start_lead(plan.is_some());
     let shared = Arc::new(Shared {
         client,
         urls,

@@ -222,6 +222,19 @@ async fn sharded_runs_merge_and_sweeps_name_a_safe_level() {
         (0..20).collect::<Vec<u64>>(),
         "every trace row exactly once"
     );
+    // The shards ran one after the other: merged on one clock, the second's requests come after
+    // the first's, and the run spans both.
+    let start = |p: &Path| read(p)["started_unix_ms"].as_f64().unwrap();
+    let gap = start(&shards[1]) - start(&shards[0]);
+    assert!(gap > 0.0, "{gap}");
+    let first_of_second = merged_doc["requests"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|r| r["index"].as_u64().unwrap() % 2 == 1)
+        .map(|r| r["sent_ms"].as_f64().unwrap())
+        .fold(f64::INFINITY, f64::min);
+    assert!(first_of_second >= gap - 1.0, "{first_of_second} {gap}");
 
     // Open-loop shards keep the times the whole run would give their rows: not in lockstep.
     let mut times = Vec::new();
