@@ -60,6 +60,8 @@ pub struct TailPoint {
     pub at_ms: f64,
     /// End, ms (to count requests in flight).
     pub end_ms: Option<f64>,
+    /// Counted in the report's figures (a warm-up request is not, but it was in flight).
+    pub measured: bool,
 }
 
 impl TailPoint {
@@ -71,6 +73,7 @@ impl TailPoint {
             ttft_ms: r.ttft_ms,
             at_ms: at,
             end_ms: r.e2e_ms.map(|e| at + e),
+            measured: true,
         }
     }
 
@@ -81,6 +84,7 @@ impl TailPoint {
             ttft_ms: r.ttft_ms,
             at_ms: r.sent_ms,
             end_ms: Some(r.sent_ms + r.e2el_ms),
+            measured: !r.warmup,
         }
     }
 }
@@ -104,8 +108,11 @@ const MIN_CORRELATION: f64 = 0.3;
 /// Nor does one over fewer timed requests than this.
 const MIN_CORRELATED: usize = 30;
 
-/// Builds the tail report.
-pub fn tail_report(points: &[TailPoint]) -> TailReport {
+/// Builds the tail report from the measured points; every point, warm-up included, counts as
+/// load (in flight) for the others.
+pub fn tail_report(all: &[TailPoint]) -> TailReport {
+    let measured: Vec<TailPoint> = all.iter().filter(|p| p.measured).copied().collect();
+    let points = measured.as_slice();
     let mut lens: Vec<f64> = points.iter().map(|p| f64::from(p.input)).collect();
     let dist = Dist::of(&mut lens);
     let total_tokens: f64 = lens.iter().sum();
@@ -173,8 +180,7 @@ pub fn tail_report(points: &[TailPoint]) -> TailReport {
     let in_flight: Vec<f64> = timed
         .iter()
         .map(|p| {
-            points
-                .iter()
+            all.iter()
                 .filter(|q| q.at_ms <= p.at_ms && q.end_ms.is_some_and(|e| e > p.at_ms))
                 .count() as f64
         })
@@ -509,6 +515,7 @@ mod tests {
             ttft_ms: Some(ttft),
             at_ms: 0.0,
             end_ms: None,
+            measured: true,
         }
     }
 
@@ -547,6 +554,39 @@ mod tests {
     }
 
     #[test]
+    fn warm_up_requests_count_as_load_not_as_samples() {
+        // Five warm-up requests in flight through the first half of the run; the measured ones
+        // are short, and slow while the warm-up runs.
+        let mut pts: Vec<TailPoint> = (0..5)
+            .map(|_| TailPoint {
+                input: 9_000,
+                ttft_ms: Some(5_000.0),
+                at_ms: 0.0,
+                end_ms: Some(20.0),
+                measured: false,
+            })
+            .collect();
+        pts.extend((0..40).map(|i| TailPoint {
+            input: 100,
+            ttft_ms: Some(if i < 20 { 100.0 } else { 10.0 }),
+            at_ms: f64::from(i),
+            end_ms: Some(f64::from(i) + 0.5),
+            measured: true,
+        }));
+        let t = tail_report(&pts);
+        assert_eq!(t.requests, 40, "warm-up requests are not samples");
+        // The measured requests alone are one in flight each: nothing to correlate. With the
+        // warm-up's load, TTFT follows it exactly.
+        let measured: Vec<TailPoint> = pts.iter().filter(|p| p.measured).copied().collect();
+        assert_eq!(tail_report(&measured).ttft_vs_load, None);
+        assert!(
+            (t.ttft_vs_load.unwrap() - 1.0).abs() < 1e-9,
+            "{:?}",
+            t.ttft_vs_load
+        );
+    }
+
+    #[test]
     fn a_negative_or_weak_correlation_drives_nothing() {
         // TTFT falls as more requests are in flight (load does not explain it) and does not
         // follow length: no driver is named.
@@ -556,6 +596,7 @@ mod tests {
                 ttft_ms: Some(50.0 - f64::from(i) / 10.0),
                 at_ms: f64::from(i),
                 end_ms: Some(300.0),
+                measured: true,
             })
             .collect();
         let t = tail_report(&pts);

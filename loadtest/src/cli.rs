@@ -1311,18 +1311,16 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
                 let doc = read_json(&a.trace)?;
                 let rows: Vec<RequestRow> = serde_json::from_value(doc["requests"].clone())
                     .with_context(|| format!("{} is not a replay result", a.trace.display()))?;
-                rows.iter()
-                    .filter(|r| !r.warmup)
-                    .map(analysis::TailPoint::from_row)
-                    .collect()
+                // Warm-up rows are load for the others, not samples (TailPoint::measured).
+                rows.iter().map(analysis::TailPoint::from_row).collect()
             } else {
                 read_trace(&a.trace, None)?
                     .iter()
                     .map(analysis::TailPoint::from_record)
                     .collect()
             };
-            if points.is_empty() {
-                bail!("{} holds no requests", a.trace.display());
+            if !points.iter().any(|p| p.measured) {
+                bail!("{} holds no requests (past its warm-up)", a.trace.display());
             }
             let t = analysis::tail_report(&points);
             let text = analysis::tail_text(&t);
