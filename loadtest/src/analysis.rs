@@ -192,6 +192,9 @@ pub fn tail_report(all: &[TailPoint]) -> TailReport {
     };
 
     let threshold = (dist.p99_ms as u32).next_power_of_two() / 2;
+    // A round threshold below the p99: the share it moves is said, not assumed to be 1%.
+    let above =
+        points.iter().filter(|p| p.input > threshold).count() as f64 / points.len().max(1) as f64;
     let heavy_tail = top1_token_share > 0.05 || top1_attention_share > 0.25;
     let longest_slow = {
         let timed_buckets: Vec<&Bucket> =
@@ -225,7 +228,8 @@ pub fn tail_report(all: &[TailPoint]) -> TailReport {
     let recommendation = few
         + &if heavy_tail || longest_slow {
             format!(
-                "Route prompts above ~{threshold} tokens to their own pool: the longest 1% carry {:.0}% of prompt tokens and {:.0}% of attention work{}, and their prefill delays every request batched with them.{driver}",
+                "Route prompts above ~{threshold} tokens ({:.1}% of requests) to their own pool: the longest 1% carry {:.0}% of prompt tokens and {:.0}% of attention work{}, and their prefill delays every request batched with them.{driver}",
+                100.0 * above,
                 100.0 * top1_token_share,
                 100.0 * top1_attention_share,
                 if longest_slow {
@@ -548,6 +552,12 @@ mod tests {
         let t = tail_report(&many);
         assert!(
             t.recommendation.starts_with("Route prompts above"),
+            "{}",
+            t.recommendation
+        );
+        // The share the threshold moves is said: here the 4 long prompts of 400.
+        assert!(
+            t.recommendation.contains("(1.0% of requests)"),
             "{}",
             t.recommendation
         );
