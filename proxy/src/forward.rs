@@ -119,8 +119,9 @@ pub const UNSET_MAX_TOKENS: u64 = 512;
 /// What the proxy removes from, or sets on, each forwarded request's headers.
 #[derive(Debug, Clone)]
 pub struct HeaderRules {
-    /// The client's `Authorization` is for the proxy (API keys are configured): never forwarded.
-    pub strip_authorization: bool,
+    /// The client's `Authorization` is for the proxy while API keys are configured (the serving
+    /// config's, as for the key check itself): then never forwarded.
+    pub keys: crate::auth::KeySlot,
     /// Keep and extend the client's forwarding headers (behind a trusted load balancer).
     pub trust_forwarded: bool,
     /// The class header is the proxy's input, not the engine's.
@@ -153,9 +154,10 @@ fn is_forwarding(name: &str) -> bool {
 pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> http::HeaderMap {
     let mut out = http::HeaderMap::with_capacity(down.headers.len());
     let listed = connection_listed(&down.headers);
+    let strip = rules.keys.current().is_some();
     for (name, value) in &down.headers {
         let n = name.as_str();
-        if rules.forwards(name, &listed) && n != "x-request-id" && !is_forwarding(n) {
+        if rules.forwards(name, &listed, strip) && n != "x-request-id" && !is_forwarding(n) {
             out.append(name.clone(), value.clone());
         }
     }
@@ -164,13 +166,18 @@ pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> htt
 
 impl HeaderRules {
     /// Whether a client request header is passed on to a replica; `listed` are the names its
-    /// `Connection` header lists.
-    fn forwards(&self, name: &http::HeaderName, listed: &[&str]) -> bool {
+    /// `Connection` header lists, `strip_authorization` whether API keys are configured.
+    fn forwards(
+        &self,
+        name: &http::HeaderName,
+        listed: &[&str],
+        strip_authorization: bool,
+    ) -> bool {
         let n = name.as_str();
         !(HOP_BY_HOP.contains(&n)
             || listed.iter().any(|l| l.eq_ignore_ascii_case(n))
             || n == self.class_header
-            || (self.strip_authorization && name == header::AUTHORIZATION)
+            || (strip_authorization && name == header::AUTHORIZATION)
             || (!self.trust_forwarded && is_forwarding(n)))
     }
 }
@@ -192,8 +199,9 @@ fn upstream_header(
     let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
         .map_err(bad)?;
     let listed = connection_listed(&down.headers);
+    let strip = rules.keys.current().is_some();
     for (name, value) in &down.headers {
-        if rules.forwards(name, &listed) {
+        if rules.forwards(name, &listed, strip) {
             up.append_header(name.clone(), value.clone()).map_err(bad)?;
         }
     }

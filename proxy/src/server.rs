@@ -703,7 +703,7 @@ impl Generation {
             pools,
             keys: shared.keys.clone(),
             headers: crate::forward::HeaderRules {
-                strip_authorization: !cfg.security.api_keys.is_empty(),
+                keys: shared.keys.clone(),
                 trust_forwarded: cfg.security.trust_forwarded_headers,
                 proto: if cfg.tls.cert.is_some() {
                     "https"

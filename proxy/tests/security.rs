@@ -70,6 +70,33 @@ async fn a_key_removed_by_a_reload_stops_on_connections_opened_before_it() {
     assert_eq!(r.headers()["x-headroom-error"], "invalid_key");
     assert_eq!(send("new-secret").await.unwrap().status(), 200);
     h.shutdown().await;
+
+    // The other way: keys turned on by a reload strip the key from a request on a connection
+    // opened before it, as they do on a new one.
+    let (url, seen) = engine().await;
+    let mut h = proxy(&url, vec![], false).await;
+    let addr = h.addr;
+    let send = |secret: &str| {
+        client
+            .post(format!("http://{addr}/v1/completions"))
+            .header("authorization", format!("Bearer {secret}"))
+            .json(&json!({"model": "m", "prompt": "hello there", "max_tokens": 1}))
+            .send()
+    };
+    assert_eq!(send("engine-key").await.unwrap().status(), 200);
+    assert!(
+        seen.last().contains_key("authorization"),
+        "no keys: passed on"
+    );
+    h.reload(config(&url, vec![key("k", "k-secret", None, None)], false))
+        .await
+        .unwrap();
+    assert_eq!(send("k-secret").await.unwrap().status(), 200);
+    assert!(
+        !seen.last().contains_key("authorization"),
+        "a proxy key reached the engine"
+    );
+    h.shutdown().await;
 }
 
 async fn complete(h: &ServeHandle, headers: &[(&str, &str)]) -> reqwest::Response {
