@@ -50,7 +50,7 @@ preemptions() {
   local total=0 u n
   for u in $(cat "$OUT/sims.url"); do
     n=$(curl -sf "$u/metrics" | awk '/^vllm:num_preemptions_total/ {print $2}' | head -1)
-    total=$(python3 -c "print(${total} + ${n:-0})")
+    total=$(python3 -c "print(int(${total} + ${n:-0}))")
   done
   echo "$total"
 }

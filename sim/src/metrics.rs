@@ -113,6 +113,48 @@ pub struct Metrics {
     pub step_lateness: Histogram,
 }
 
+/// The exposition with its numbers as Python's prometheus_client writes every sample value and
+/// bucket bound, as a float: `1.0` and `le="1.0"` where Rust writes `1` and `le="1"`. A query or
+/// dashboard written against vLLM that selects `le="1.0"` then matches the simulator too
+/// (Prometheus 2 compares label values as strings).
+pub fn python_floats(text: &str) -> String {
+    let integral = |s: &str| {
+        let digits = s.strip_prefix('-').unwrap_or(s);
+        !digits.is_empty() && digits.bytes().all(|b| b.is_ascii_digit())
+    };
+    let mut out = String::with_capacity(text.len() + text.len() / 16);
+    for line in text.lines() {
+        if line.starts_with('#') {
+            out.push_str(line);
+        } else {
+            let (series, value) = line.rsplit_once(' ').unwrap_or((line, ""));
+            match series.find("le=\"") {
+                Some(at) => {
+                    let start = at + 4;
+                    let end = series[start..]
+                        .find('"')
+                        .map_or(series.len(), |e| start + e);
+                    out.push_str(&series[..end]);
+                    if integral(&series[start..end]) {
+                        out.push_str(".0");
+                    }
+                    out.push_str(&series[end..]);
+                }
+                None => out.push_str(series),
+            }
+            if !value.is_empty() {
+                out.push(' ');
+                out.push_str(value);
+                if integral(value) {
+                    out.push_str(".0");
+                }
+            }
+        }
+        out.push('\n');
+    }
+    out
+}
+
 /// Buckets 1, 2, 5, 10, 20, 50, … up to `max` (vLLM's `build_1_2_5_buckets`).
 pub fn buckets_1_2_5(max: u64) -> Vec<f64> {
     let mut out = Vec::new();
@@ -367,14 +409,15 @@ impl Metrics {
         }
     }
 
-    /// The Prometheus text exposition (format 0.0.4).
+    /// The Prometheus text exposition (format 0.0.4), numbers written as vLLM's Python client
+    /// writes them.
     pub fn render(&self) -> String {
         let mut buf = Vec::new();
         // Encoding into memory cannot fail for well-formed families.
         TextEncoder::new()
             .encode(&self.registry.gather(), &mut buf)
             .expect("text encoding");
-        String::from_utf8(buf).unwrap_or_default()
+        python_floats(&String::from_utf8(buf).unwrap_or_default())
     }
 
     /// Counts one request finished for `reason`.
@@ -395,6 +438,15 @@ impl Metrics {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn numbers_are_written_as_pythons_client_writes_them() {
+        let rust = "# HELP x x\n# TYPE x histogram\nx_bucket{engine=\"0\",le=\"1\"} 3\nx_bucket{engine=\"0\",le=\"0.25\"} 2\nx_bucket{le=\"+Inf\"} 3\nx_sum{engine=\"0\"} 0.5\ny -4\nz{block_size=\"16\"} 1\n";
+        assert_eq!(
+            python_floats(rust),
+            "# HELP x x\n# TYPE x histogram\nx_bucket{engine=\"0\",le=\"1.0\"} 3.0\nx_bucket{engine=\"0\",le=\"0.25\"} 2.0\nx_bucket{le=\"+Inf\"} 3.0\nx_sum{engine=\"0\"} 0.5\ny -4.0\nz{block_size=\"16\"} 1.0\n"
+        );
+    }
 
     fn info() -> CacheInfo {
         CacheInfo {
