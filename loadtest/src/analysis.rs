@@ -393,6 +393,9 @@ pub fn tail_page(t: &TailReport, source: &str) -> String {
 
 /// Keys of a contract that may differ between two runs without making them incomparable.
 const INCIDENTAL: &[&str] = &["run_id", "tool", "prompt_salt"];
+/// Contract keys that say how a result was put together, not what load it contracted: a merged
+/// result's list of shards.
+const BOOKKEEPING: &[&str] = &["trace.shards_merged"];
 
 fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
     match v {
@@ -403,7 +406,9 @@ fn flatten(prefix: &str, v: &Value, out: &mut BTreeMap<String, Value>) {
                 } else {
                     format!("{prefix}.{k}")
                 };
-                if prefix.is_empty() && INCIDENTAL.contains(&k.as_str()) {
+                if (prefix.is_empty() && INCIDENTAL.contains(&k.as_str()))
+                    || BOOKKEEPING.contains(&key.as_str())
+                {
                     continue;
                 }
                 flatten(&key, x, out);
@@ -644,5 +649,12 @@ mod tests {
         assert_eq!(v["contract_differences"], json!(["load", "model"]));
         let (text, _) = compare(&doc(1.0, "m", 100.0), &doc(1.0, "m", 100.0));
         assert!(text.starts_with("Same contract"));
+        // A merged result against the same run unsharded: the list of shards is bookkeeping.
+        let mut merged = doc(1.0, "m", 100.0);
+        merged["contract"]["trace"] = json!({"requests": 10, "shards_merged": ["a", "b"]});
+        let mut whole = doc(1.0, "m", 100.0);
+        whole["contract"]["trace"] = json!({"requests": 10});
+        let (text, _) = compare(&merged, &whole);
+        assert!(text.starts_with("Same contract"), "{text}");
     }
 }
