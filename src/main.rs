@@ -81,7 +81,11 @@ fn main() -> ExitCode {
     let cli = Cli::parse();
     let logs = tracing_subscriber::fmt()
         .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_default_env().unwrap_or_else(|_| "info".into()),
+            // pingora's connector logs an ERROR when a pooled upstream connection is still held
+            // by its idle watcher at reuse, then simply opens a new one: not an error of the
+            // request, which the proxy reports itself when one is (RUST_LOG shows it again).
+            tracing_subscriber::EnvFilter::try_from_default_env()
+                .unwrap_or_else(|_| "info,pingora_core::connectors=off".into()),
         )
         .with_writer(std::io::stderr);
     match cli.log_format {

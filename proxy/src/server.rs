@@ -1311,10 +1311,14 @@ fn admin_router(
                 async move {
                     if lifecycle.draining() {
                         (StatusCode::SERVICE_UNAVAILABLE, "draining\n").into_response()
-                    } else if fleet.any_available() {
+                    } else if fleet.any_ready() {
                         (StatusCode::OK, "ready\n").into_response()
                     } else {
-                        (StatusCode::SERVICE_UNAVAILABLE, "no healthy replica\n").into_response()
+                        (
+                            StatusCode::SERVICE_UNAVAILABLE,
+                            "no healthy replica (none has passed a probe yet, or all are down)\n",
+                        )
+                            .into_response()
                     }
                 }
             }),

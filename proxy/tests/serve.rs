@@ -274,6 +274,42 @@ async fn a_dead_or_failing_replica_is_avoided() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn readiness_waits_for_a_replica_to_pass_a_probe() {
+    let dead = {
+        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+        format!("http://{}", l.local_addr().unwrap())
+    };
+    // Probes far apart: the replica is presumed healthy for a long time, but never shown to be.
+    let p = proxy(&[dead], "round_robin", |c| {
+        c.health.interval_ms = 60_000;
+        c.health.unhealthy_after = 3;
+    })
+    .await;
+    let ready = |admin: std::net::SocketAddr| async move {
+        client()
+            .get(format!("http://{admin}/readyz"))
+            .send()
+            .await
+            .unwrap()
+            .status()
+    };
+    assert_eq!(ready(p.admin_addr).await, 503);
+    p.shutdown().await;
+    let live = sim(&[]).await;
+    let p = proxy(&[live.url()], "round_robin", |c| {
+        c.health.interval_ms = 60_000
+    })
+    .await;
+    let admin = p.admin_addr;
+    eventually("the first probe passes", || async move {
+        ready(admin).await == 200
+    })
+    .await;
+    p.shutdown().await;
+    live.shutdown().await.unwrap();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_got_it() {
     let live = sim(&[]).await;
     let dead = {

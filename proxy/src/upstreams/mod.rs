@@ -45,6 +45,9 @@ pub struct Backend {
     /// `Authorization` value for the engine's own API key (`api_key_env`), when configured.
     pub authorization: Option<http::HeaderValue>,
     probe_healthy: AtomicBool,
+    /// A probe has passed since the proxy first saw the replica: until then its health is
+    /// presumed (so requests flow at once), not known (so the proxy is not yet ready).
+    probed_up: AtomicBool,
     probe_fails: AtomicU32,
     probe_passes: AtomicU32,
     request_fails: AtomicU32,
@@ -186,6 +189,7 @@ impl Backend {
             tls_host: cfg.tls().then(|| cfg.host().to_owned()),
             cold_start: Mutex::new(cold_start::ColdStart::new(Instant::now())),
             probe_healthy: AtomicBool::new(addr.is_some()),
+            probed_up: AtomicBool::new(false),
             addr: Mutex::new(addr),
             probe_fails: AtomicU32::new(0),
             probe_passes: AtomicU32::new(0),
@@ -404,6 +408,8 @@ impl Fleet {
             };
             let o = &old.backends[o];
             b.load = o.load.clone();
+            b.probed_up
+                .store(o.probed_up.load(Ordering::Relaxed), Ordering::Relaxed);
             let copy = |from: &AtomicU32, to: &AtomicU32| {
                 to.store(from.load(Ordering::Relaxed), Ordering::Relaxed);
             };
@@ -489,6 +495,15 @@ impl Fleet {
     /// Whether any replica can take requests.
     pub fn any_available(&self) -> bool {
         self.backends.iter().any(|b| self.is_available(b))
+    }
+
+    /// Whether any replica can take requests and has shown it: available, and a probe of it has
+    /// passed (a fresh proxy presumes its replicas healthy until their first probes say
+    /// otherwise; readiness waits for one to say so).
+    pub fn any_ready(&self) -> bool {
+        self.backends
+            .iter()
+            .any(|b| b.probed_up.load(Ordering::Relaxed) && self.is_available(b))
     }
 
     /// A request to `b` succeeded (any status below 500).
@@ -577,6 +592,7 @@ impl Fleet {
         };
         if passed {
             cold_start(true);
+            b.probed_up.store(true, Ordering::Relaxed);
             b.probe_fails.store(0, Ordering::Relaxed);
             let passes = b.probe_passes.fetch_add(1, Ordering::Relaxed) + 1;
             if passes >= self.health.healthy_after && !b.probe_healthy.swap(true, Ordering::Relaxed)
