@@ -37,7 +37,7 @@ enum Command {
     Demo(demo::DemoArgs),
     /// Replay a trace against a target and measure what users would feel, with the contract.
     Replay(Box<headroom_loadtest::cli::ReplayArgs>),
-    /// Reports over traces and results: tail, compare, merge, html.
+    /// Reports over traces and results: tail, compare, merge, html, agreement.
     Report {
         #[command(subcommand)]
         command: headroom_loadtest::cli::ReportCommand,
@@ -45,7 +45,7 @@ enum Command {
     /// The capacity note: KV capacity, the decode step's memory split, the knee and the
     /// recommended admission cap for a model on a GPU.
     Capacity(capacity::CapacityArgs),
-    /// Import public traces or synthesize traces from workload contracts.
+    /// Import public traces, synthesize traces from workload contracts, or describe a trace (info).
     Trace {
         #[command(subcommand)]
         command: headroom_loadtest::cli::TraceCommand,
