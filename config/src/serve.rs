@@ -564,7 +564,8 @@ pub struct TimeoutConfig {
     /// A request's whole header must arrive within this: a new connection's from its opening, a
     /// kept-alive connection's next one from its first byte (slowloris).
     pub header_read_ms: u64,
-    /// A kept-alive client connection waits at most this long, idle, for its next request.
+    /// A kept-alive client connection waits at most this long, idle, for its next request; an
+    /// admin listener connection lives at most this long.
     pub keepalive_ms: u64,
     /// The whole request body must arrive within this after the header (408 past it); the body is
     /// read before the request waits for admission.

@@ -546,8 +546,23 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         live_rx,
     );
     let mut admin_stop = stop_rx;
+    let admin_lifetime = Duration::from_millis(cfg.timeouts.keepalive_ms);
     tasks.push(tokio::spawn(async move {
+        use axum::serve::ListenerExt;
         let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
+        // Each admin connection lives at most `timeouts.keepalive_ms`: a scraper reconnects
+        // (cheaply), and an idle or trickling client cannot hold file descriptors the data plane
+        // shares. The server has no header or idle timeout of its own to set.
+        let admin_listener = admin_listener.tap_io(move |tcp| {
+            if let Ok(fd) = std::os::fd::AsFd::as_fd(tcp).try_clone_to_owned() {
+                tokio::spawn(async move {
+                    tokio::time::sleep(admin_lifetime).await;
+                    // The duplicate keeps the socket itself, so this can only end this
+                    // connection (already closed: an error, ignored).
+                    let _ = std::net::TcpStream::from(fd).shutdown(std::net::Shutdown::Both);
+                });
+            }
+        });
         let _ = axum::serve(admin_listener, admin)
             .with_graceful_shutdown(async move {
                 let _ = admin_stop.wait_for(|s| *s).await;

@@ -304,6 +304,13 @@ async fn kept_alive_connections_are_held_to_the_header_deadline_and_an_idle_limi
         1.0
     );
 
+    // An admin connection is closed at keepalive_ms, whatever it does (here: nothing).
+    let mut admin = TcpStream::connect(h.admin_addr).await.unwrap();
+    let t = Instant::now();
+    let (r, closed) = read_all(&mut admin, Duration::from_secs(5)).await;
+    assert!(closed && r.is_empty(), "{r:?}");
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+
     // A request refused before its body was read closes its connection, and says so.
     let mut tcp = TcpStream::connect(h.addr).await.unwrap();
     tcp.write_all(b"POST /v2/nothing HTTP/1.1\r\nhost: a\r\ncontent-length: 5\r\n\r\nhello")
