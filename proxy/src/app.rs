@@ -832,6 +832,11 @@ impl ProxyHttp for Headroom {
         _e: Option<&pingora::Error>,
         ctx: &mut RequestCtx,
     ) {
+        if !session.as_downstream_mut().is_body_done() {
+            // A body nobody read (a preflight's, say) would be drained as the connection's next
+            // bytes, under the next header's clock: the connection closes instead.
+            session.set_keepalive(None);
+        }
         if let Some(conn) = client_conn(session) {
             conn.response_done();
         }

@@ -5,7 +5,7 @@
 //! accept loop); over TLS the bound applies here from the start.
 //!
 //! ```text
-//! phase   Off ──(response done)──▶ Idle ──(first byte)──▶ Header ──(blank line, or parsed)──▶ Off
+//! phase   Off ──(response done)──▶ Idle ──(first byte)──▶ Header ──(header parsed)──▶ Off
 //! Idle    reads past `keepalive_ms` end the connection quietly (end of file: a closed keep-alive)
 //! Header  reads past `header_read_ms` from its first byte fail (counted as a slow header)
 //! ```
@@ -47,11 +47,7 @@ pub struct ConnLimits {
 enum Phase {
     Off,
     Idle(Pin<Box<Sleep>>),
-    Header {
-        deadline: Pin<Box<Sleep>>,
-        /// The header's last bytes read (up to 3), to find its blank line across reads.
-        tail: Vec<u8>,
-    },
+    Header(Pin<Box<Sleep>>),
 }
 
 /// A client's stream, held to [`ConnLimits`] between and at the start of its requests.
@@ -67,7 +63,7 @@ impl std::fmt::Debug for ClientConn {
         let phase = match self.phase {
             Phase::Off => "off",
             Phase::Idle(_) => "idle",
-            Phase::Header { .. } => "header",
+            Phase::Header(_) => "header",
         };
         f.debug_struct("ClientConn")
             .field("inner", &self.inner)
@@ -81,10 +77,7 @@ impl ClientConn {
     /// or must arrive within `limits.header` from now (`true`: a TLS connection).
     pub fn new(stream: Stream, limits: ConnLimits, header_pending: bool) -> Self {
         let phase = if header_pending {
-            Phase::Header {
-                deadline: Box::pin(tokio::time::sleep(limits.header)),
-                tail: Vec::new(),
-            }
+            Phase::Header(Box::pin(tokio::time::sleep(limits.header)))
         } else {
             Phase::Off
         };
@@ -124,31 +117,12 @@ impl ClientConn {
         }
     }
 
-    /// Follows the header's bytes `new`: its blank line ends the watch.
+    /// The first bytes of the next request start its header's clock. The phase ends only when
+    /// the proxy has parsed the header (`header_parsed`): a scan for the blank line would be
+    /// fooled by the empty lines a parser skips before a request line.
     fn saw(&mut self, new: &[u8]) {
-        if new.is_empty() {
-            return;
-        }
-        if let Phase::Idle(_) = self.phase {
-            self.phase = Phase::Header {
-                deadline: Box::pin(tokio::time::sleep(self.limits.header)),
-                tail: Vec::new(),
-            };
-        }
-        if let Phase::Header { tail, .. } = &mut self.phase {
-            // The blank line may straddle the previous read and this one.
-            let mut edge = std::mem::take(tail);
-            edge.extend_from_slice(&new[..new.len().min(3)]);
-            let blank = |b: &[u8]| b.windows(4).any(|w| w == b"\r\n\r\n");
-            if blank(&edge) || blank(new) {
-                self.phase = Phase::Off;
-                return;
-            }
-            *tail = if new.len() >= 3 {
-                new[new.len() - 3..].to_vec()
-            } else {
-                edge[edge.len().saturating_sub(3)..].to_vec()
-            };
+        if !new.is_empty() && matches!(self.phase, Phase::Idle(_)) {
+            self.phase = Phase::Header(Box::pin(tokio::time::sleep(self.limits.header)));
         }
     }
 }
@@ -178,7 +152,7 @@ impl AsyncRead for ClientConn {
                     Poll::Ready(()) => Poll::Ready(Ok(())),
                     Poll::Pending => Poll::Pending,
                 },
-                Phase::Header { deadline, .. } => match deadline.as_mut().poll(cx) {
+                Phase::Header(deadline) => match deadline.as_mut().poll(cx) {
                     Poll::Ready(()) => {
                         this.limits.slow_headers.inc();
                         Poll::Ready(Err(std::io::Error::new(

@@ -913,7 +913,13 @@ impl FirstHeader {
                     Ok(0) | Err(_) => return false,
                     Ok(n) => n,
                 };
-                if buf[..n].windows(4).any(|w| w == b"\r\n\r\n") {
+                // Empty lines before the request line are skipped, as the parser skips them:
+                // a blank line there is not the end of a header.
+                let start = buf[..n]
+                    .iter()
+                    .position(|b| !matches!(b, b'\r' | b'\n'))
+                    .unwrap_or(n);
+                if buf[start..n].windows(4).any(|w| w == b"\r\n\r\n") {
                     return true;
                 }
                 if n == buf.len() {
