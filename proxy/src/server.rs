@@ -548,21 +548,14 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let mut admin_stop = stop_rx;
     let admin_lifetime = Duration::from_millis(cfg.timeouts.keepalive_ms);
     tasks.push(tokio::spawn(async move {
-        use axum::serve::ListenerExt;
-        let admin = admin.into_make_service_with_connect_info::<SocketAddr>();
+        let admin = admin.into_make_service_with_connect_info::<PeerAddr>();
         // Each admin connection lives at most `timeouts.keepalive_ms`: a scraper reconnects
         // (cheaply), and an idle or trickling client cannot hold file descriptors the data plane
         // shares. The server has no header or idle timeout of its own to set.
-        let admin_listener = admin_listener.tap_io(move |tcp| {
-            if let Ok(fd) = std::os::fd::AsFd::as_fd(tcp).try_clone_to_owned() {
-                tokio::spawn(async move {
-                    tokio::time::sleep(admin_lifetime).await;
-                    // The duplicate keeps the socket itself, so this can only end this
-                    // connection (already closed: an error, ignored).
-                    let _ = std::net::TcpStream::from(fd).shutdown(std::net::Shutdown::Both);
-                });
-            }
-        });
+        let admin_listener = AdminListener {
+            inner: admin_listener,
+            lifetime: admin_lifetime,
+        };
         let _ = axum::serve(admin_listener, admin)
             .with_graceful_shutdown(async move {
                 let _ = admin_stop.wait_for(|s| *s).await;
@@ -1095,6 +1088,85 @@ async fn accept_loop(
     }
 }
 
+/// The admin listener: every connection it accepts ends after `lifetime` (it then reads as
+/// closed by the client, and the server closes it once).
+struct AdminListener {
+    inner: tokio::net::TcpListener,
+    lifetime: Duration,
+}
+
+impl axum::serve::Listener for AdminListener {
+    type Io = LimitedLife;
+    type Addr = SocketAddr;
+
+    async fn accept(&mut self) -> (Self::Io, Self::Addr) {
+        let (io, addr) = axum::serve::Listener::accept(&mut self.inner).await;
+        let end = Box::pin(tokio::time::sleep(self.lifetime));
+        (LimitedLife { io, end }, addr)
+    }
+
+    fn local_addr(&self) -> std::io::Result<Self::Addr> {
+        self.inner.local_addr()
+    }
+}
+
+/// An admin client's address, for the push check.
+#[derive(Debug, Clone, Copy)]
+struct PeerAddr(SocketAddr);
+
+impl axum::extract::connect_info::Connected<axum::serve::IncomingStream<'_, AdminListener>>
+    for PeerAddr
+{
+    fn connect_info(stream: axum::serve::IncomingStream<'_, AdminListener>) -> Self {
+        Self(*stream.remote_addr())
+    }
+}
+
+/// A connection that reads as ended once its time is up.
+struct LimitedLife {
+    io: tokio::net::TcpStream,
+    end: std::pin::Pin<Box<tokio::time::Sleep>>,
+}
+
+impl tokio::io::AsyncRead for LimitedLife {
+    fn poll_read(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &mut tokio::io::ReadBuf<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        use std::future::Future;
+        use std::task::Poll;
+        if self.end.as_mut().poll(cx).is_ready() {
+            return Poll::Ready(Ok(()));
+        }
+        std::pin::Pin::new(&mut self.io).poll_read(cx, buf)
+    }
+}
+
+impl tokio::io::AsyncWrite for LimitedLife {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        std::pin::Pin::new(&mut self.io).poll_write(cx, buf)
+    }
+
+    fn poll_flush(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_flush(cx)
+    }
+
+    fn poll_shutdown(
+        mut self: std::pin::Pin<&mut Self>,
+        cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::pin::Pin::new(&mut self.io).poll_shutdown(cx)
+    }
+}
+
 /// The largest push taken: a report is ~100 bytes per replica.
 const PUSH_BODY_LIMIT: usize = 64 * 1024;
 
@@ -1304,7 +1376,9 @@ fn admin_router(
                 async move { axum::Json(LoadReport::of(proxy_id, &fleet)) }
             })
             .post(
-                move |axum::extract::ConnectInfo(from): axum::extract::ConnectInfo<SocketAddr>,
+                move |axum::extract::ConnectInfo(PeerAddr(from)): axum::extract::ConnectInfo<
+                    PeerAddr,
+                >,
                       headers: http::HeaderMap,
                       body: axum::body::Body| {
                     let peers = pushed_live.borrow().fleet.peers.clone();
