@@ -821,15 +821,21 @@ async fn replay_with(
         // The contract says the run is not the whole of what it planned.
         contract["interrupted"] = json!({"finished": results.len(), "planned": total});
     }
-    if results.len() < total {
-        // `--duration` (or an interruption) ended the schedule early: the contract describes the
-        // rows that were sent (the first ones of the schedule), not the whole slice.
-        let sent = &records[..results.len()];
-        contract["trace"]["requests"] = json!(sent.len());
-        contract["trace"]["requests_planned"] = json!(total);
-        contract["input_tokens"] = length_stats(sent.iter().map(|r| r.input_length));
-        contract["output_tokens"] = length_stats(sent.iter().map(|r| r.output_length));
-    }
+    // The contract is the load planned; when `--duration` (or an interruption) ended the
+    // schedule early, what was sent of it is said beside it (a closed loop sends as many as the
+    // target finishes, so this differs from run to run while the contract does not).
+    let sent = (results.len() < total).then(|| {
+        // A result's index is its row of the whole trace; `rows` maps the records to those.
+        let at: std::collections::HashMap<usize, usize> =
+            rows.iter().enumerate().map(|(k, &row)| (row, k)).collect();
+        let rows: Vec<&TraceRecord> = results
+            .iter()
+            .filter_map(|r| at.get(&r.index).and_then(|&k| records.get(k)))
+            .collect();
+        json!({"requests": rows.len(), "requests_planned": total,
+               "input_tokens": length_stats(rows.iter().map(|r| r.input_length)),
+               "output_tokens": length_stats(rows.iter().map(|r| r.output_length))})
+    });
     let stalls = stall_meter.finish();
     if let Some(progress) = progress {
         progress.abort();
@@ -853,7 +859,7 @@ async fn replay_with(
     std::fs::create_dir_all(&a.out).with_context(|| format!("creating {}", a.out.display()))?;
     let result_path = a.out.join("result.json");
     let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary, "target_observed": target_info, "client_stalls": stalls,
-        "started_unix_ms": started_unix_ms, "itl_buckets": report::itl_buckets(&results), "requests": rows});
+        "started_unix_ms": started_unix_ms, "sent": sent, "itl_buckets": report::itl_buckets(&results), "requests": rows});
     outputs::write(&result_path, serde_json::to_string_pretty(&doc)?)?;
     outputs::write(&a.out.join("requests.csv"), report::to_csv(&rows))?;
     outputs::write(&a.out.join("report.html"), pages::replay_page(&doc)?)?;
