@@ -46,7 +46,9 @@ const RETRY_STATUSES: &[u16] = &[502, 503];
 /// The fleet as one pick sees it.
 struct FleetLook {
     views: Vec<BackendView>,
-    serves: Option<Vec<bool>>,
+    /// Per replica, whether it may serve the model (it lists it, or its list is not known yet),
+    /// and whether it is known to (it lists it).
+    serves: Option<(Vec<bool>, Vec<bool>)>,
 }
 
 impl FleetLook {
@@ -61,8 +63,10 @@ impl FleetLook {
         for v in &mut views {
             v.healthy &= member(v.id);
         }
-        if let Some(serves) = &self.serves {
-            if views.iter().any(|v| member(v.id) && serves[v.id]) {
+        if let Some((serves, listed)) = &self.serves {
+            // Only a list that names the model closes the pool to the others: a replica down
+            // since start, whose list was never read, does not capture a model nobody lists.
+            if views.iter().any(|v| member(v.id) && listed[v.id]) {
                 for v in &mut views {
                     v.healthy &= serves[v.id];
                 }
@@ -524,11 +528,12 @@ impl Headroom {
         FleetLook {
             views: self.fleet.views(),
             serves: model.map(|m| {
-                self.fleet
-                    .backends
-                    .iter()
-                    .map(|b| b.serves(m) != Some(false))
-                    .collect()
+                let lists: Vec<Option<bool>> =
+                    self.fleet.backends.iter().map(|b| b.serves(m)).collect();
+                (
+                    lists.iter().map(|l| *l != Some(false)).collect(),
+                    lists.iter().map(|l| *l == Some(true)).collect(),
+                )
             }),
         }
     }

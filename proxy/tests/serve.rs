@@ -258,6 +258,17 @@ async fn a_dead_or_failing_replica_is_avoided() {
             .load(std::sync::atomic::Ordering::Relaxed),
         1
     );
+    // A model nobody lists goes to an engine for its own 404: the dead replica, whose list was
+    // never read, does not capture it (which would be the proxy's 503).
+    eventually("the live replica's model list", || {
+        let fleet = p.fleet();
+        async move { fleet.backends[1].serves("x").is_some() }
+    })
+    .await;
+    let mut typo = chat("s", "q", 3, false);
+    typo["model"] = json!("no-such-model");
+    let resp = client().post(&url).json(&typo).send().await.unwrap();
+    assert_eq!(resp.status(), 404);
 
     // A replica answering 503 is retried elsewhere; a 400 is the client's and is passed on.
     let resp = client()
