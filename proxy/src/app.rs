@@ -248,7 +248,10 @@ impl Headroom {
         prompt_tokens: Option<u32>,
     ) -> String {
         let classes = &self.cfg.classes;
-        if let Some(c) = key.and_then(|k| k.class.clone()) {
+        if let Some(c) = key
+            .and_then(|k| k.class.clone())
+            .filter(|c| classes.contains_key(c))
+        {
             return c;
         }
         if let Some(c) = header.filter(|c| classes.contains_key(c)) {
@@ -302,8 +305,15 @@ impl Headroom {
             let i = keys.authenticate(auth.map(|v| v.as_bytes()))?;
             ctx.key = Some(i);
             ctx.keys = Some(keys.clone());
-            // A key's class is known before its rate is checked: its refusals count in it.
-            if let Some(class) = keys.get(i).class.as_ref() {
+            // A key's class is known before its rate is checked: its refusals count in it. (A
+            // request checked against a newer config's keys may name a class this config lacks:
+            // then the other rules classify it.)
+            if let Some(class) = keys
+                .get(i)
+                .class
+                .as_ref()
+                .filter(|c| self.cfg.classes.contains_key(*c))
+            {
                 ctx.pool = self.cfg.pool_of(class);
                 ctx.class = class.clone();
                 ctx.classified = true;
@@ -454,7 +464,11 @@ impl Headroom {
                     .uri
                     .path_and_query()
                     .map_or_else(|| path.to_owned(), |p| p.as_str().to_owned()),
-                headers: crate::forward::mirrored_headers(session.req_header(), &self.headers),
+                headers: crate::forward::mirrored_headers(
+                    session.req_header(),
+                    &self.headers,
+                    self.headers.strips_authorization(ctx.keys.is_some()),
+                ),
                 body: body.clone(),
                 facts: inspected
                     .clone()

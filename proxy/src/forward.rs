@@ -155,10 +155,13 @@ fn is_forwarding(name: &str) -> bool {
 
 /// The client's headers a shadow copy carries: what forwarding would keep, less the ones that
 /// describe the client's connection (the copy comes from the proxy).
-pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> http::HeaderMap {
+pub(crate) fn mirrored_headers(
+    down: &RequestHeader,
+    rules: &HeaderRules,
+    strip: bool,
+) -> http::HeaderMap {
     let mut out = http::HeaderMap::with_capacity(down.headers.len());
     let listed = connection_listed(&down.headers);
-    let strip = rules.keys.current().is_some();
     for (name, value) in &down.headers {
         let n = name.as_str();
         if rules.forwards(name, &listed, strip) && n != "x-request-id" && !is_forwarding(n) {
@@ -169,6 +172,12 @@ pub(crate) fn mirrored_headers(down: &RequestHeader, rules: &HeaderRules) -> htt
 }
 
 impl HeaderRules {
+    /// Whether the client's `Authorization` stays at the proxy: when its request was checked
+    /// against keys, or keys are configured now (the serving config's).
+    pub(crate) fn strips_authorization(&self, checked_with_keys: bool) -> bool {
+        checked_with_keys || self.keys.current().is_some()
+    }
+
     /// Whether a client request header is passed on to a replica; `listed` are the names its
     /// `Connection` header lists, `strip_authorization` whether API keys are configured.
     fn forwards(
@@ -192,6 +201,7 @@ fn upstream_header(
     body_len: usize,
     request_id: &str,
     rules: &HeaderRules,
+    strip: bool,
 ) -> Result<RequestHeader, ProxyError> {
     let down = session.req_header();
     let path = down
@@ -203,7 +213,6 @@ fn upstream_header(
     let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
         .map_err(bad)?;
     let listed = connection_listed(&down.headers);
-    let strip = rules.keys.current().is_some();
     for (name, value) in &down.headers {
         if rules.forwards(name, &listed, strip) {
             up.append_header(name.clone(), value.clone()).map_err(bad)?;
@@ -467,7 +476,13 @@ impl Headroom {
             ctx.dispatched.get_or_insert(now);
             ctx.sent = Some(now);
             let started = match self
-                .start(session, &backend, &out.body, &ctx.request_id)
+                .start(
+                    session,
+                    &backend,
+                    &out.body,
+                    &ctx.request_id,
+                    self.headers.strips_authorization(ctx.keys.is_some()),
+                )
                 .await
             {
                 Attempt::Started(s) => s,
@@ -545,9 +560,16 @@ impl Headroom {
         backend: &Backend,
         body: &Bytes,
         request_id: &str,
+        strip_authorization: bool,
     ) -> Attempt {
-        let header = match upstream_header(session, backend, body.len(), request_id, &self.headers)
-        {
+        let header = match upstream_header(
+            session,
+            backend,
+            body.len(),
+            request_id,
+            &self.headers,
+            strip_authorization,
+        ) {
             Ok(h) => h,
             Err(e) => return Attempt::Failed(e),
         };

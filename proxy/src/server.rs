@@ -155,8 +155,9 @@ impl ServeHandle {
                 b.set_capacity(cap);
             }
         }
-        let _ = self.live.send(next.live.clone());
+        // The keys first: a connection the new config takes is never checked against old ones.
         self.keys.set(next.keys.clone());
+        let _ = self.live.send(next.live.clone());
         let old = std::mem::replace(&mut self.generation, next);
         old.retire();
         tracing::info!("config reloaded");
