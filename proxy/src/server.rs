@@ -112,7 +112,8 @@ impl ServeHandle {
     /// current response; requests already in progress finish on the old one. A replica both
     /// configs name keeps its state (health, ejection, work in flight, admissions, prefix
     /// history, KV event picture: docs/proxy.md#reload).
-    /// `listen`, `admin_listen` and `[capture]` need a restart: a change to them is refused, as is
+    /// `listen`, `admin_listen`, `[capture]`, `timeouts.header_read_ms` and `timeouts.keepalive_ms`
+    /// need a restart: a change to them is refused, as is
     /// a config that cannot be built; either way the old config keeps serving.
     pub async fn reload(&mut self, cfg: ServeConfig) -> Result<(), ServeError> {
         let old = &self.generation.cfg;
@@ -120,6 +121,15 @@ impl ServeHandle {
             ("listen", cfg.listen == old.listen),
             ("admin_listen", cfg.admin_listen == old.admin_listen),
             ("capture", cfg.capture == old.capture),
+            // The listeners' connection limits are set when they start.
+            (
+                "timeouts.header_read_ms",
+                cfg.timeouts.header_read_ms == old.timeouts.header_read_ms,
+            ),
+            (
+                "timeouts.keepalive_ms",
+                cfg.timeouts.keepalive_ms == old.timeouts.keepalive_ms,
+            ),
         ] {
             if !same {
                 return Err(ServeError::Config(format!(

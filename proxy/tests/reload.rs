@@ -93,6 +93,10 @@ async fn a_reload_moves_new_requests_and_lets_streams_in_progress_finish() {
     moved.listen = "127.0.0.1:1".into();
     let e = h.reload(moved).await.unwrap_err().to_string();
     assert!(e.contains("listen cannot change without a restart"), "{e}");
+    let mut limits = cfg_b.clone();
+    limits.timeouts.keepalive_ms += 1;
+    let e = h.reload(limits).await.unwrap_err().to_string();
+    assert!(e.contains("timeouts.keepalive_ms cannot change"), "{e}");
     assert_eq!(served_by(&reqwest::Client::new(), &url).await, "b");
 
     // Metrics carry on across reloads (one registry).
