@@ -351,7 +351,20 @@ impl Writer {
             Err(e) => return self.failed(&std::io::Error::other(e), 1),
         };
         line.push(b'\n');
+        // The buffer is flushed here, not inside `write_all`, so that every record is counted
+        // written or lost by the flush that took it.
+        if f.out.buffer().len() + line.len() > f.out.capacity() {
+            self.flush();
+        }
+        let Some(f) = self.file.as_mut() else {
+            return self.failed(&std::io::Error::other("the capture file was lost"), 1);
+        };
         match f.out.write_all(&line) {
+            Ok(()) if f.out.buffer().is_empty() => {
+                // A line larger than the buffer goes straight to the file.
+                f.bytes += line.len() as u64;
+                self.counters.written.inc();
+            }
             Ok(()) => {
                 f.bytes += line.len() as u64;
                 f.unflushed += 1;
@@ -359,7 +372,7 @@ impl Writer {
             Err(e) => {
                 // This record and every one still buffered are lost with the file.
                 let lost = f.unflushed + 1;
-                self.file = None;
+                self.drop_file();
                 self.failed(&e, lost);
             }
         }
@@ -371,10 +384,18 @@ impl Writer {
             match f.out.flush() {
                 Ok(()) => self.counters.written.inc_by(buffered),
                 Err(e) => {
-                    self.file = None;
+                    self.drop_file();
                     self.failed(&e, buffered);
                 }
             }
+        }
+    }
+
+    /// Lets the file go after a failed write, discarding what its buffer holds (counted lost):
+    /// dropping the writer would try to write it once more, past the records counted.
+    fn drop_file(&mut self) {
+        if let Some(f) = self.file.take() {
+            let _ = f.out.into_parts();
         }
     }
 
@@ -689,13 +710,14 @@ mod tests {
                 .sum::<usize>()
         };
         assert_eq!(reasons(&c), 2);
-        for i in 0..12 {
+        // More than the writer's buffer holds: lost at its own flushes too, each counted once.
+        for i in 0..3000 {
             cap.submit(pending(i, SystemTime::now()));
         }
         cap.flush(Duration::from_secs(10));
         drop(cap);
         assert_eq!(c.written.get(), 0);
-        assert_eq!(c.dropped.with_label_values(&["write_error"]).get(), 12);
+        assert_eq!(c.dropped.with_label_values(&["write_error"]).get(), 3000);
     }
 
     #[test]
