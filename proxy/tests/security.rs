@@ -54,14 +54,16 @@ async fn a_key_removed_by_a_reload_stops_on_connections_opened_before_it() {
         .pool_max_idle_per_host(1)
         .build()
         .unwrap();
-    let addr = h.addr;
-    let send = |secret: &str| {
+    // A completion with a bearer key, on the client's kept-alive connection to `addr`.
+    let keyed = |addr: std::net::SocketAddr, secret: &str| {
         client
             .post(format!("http://{addr}/v1/completions"))
             .header("authorization", format!("Bearer {secret}"))
             .json(&json!({"model": "m", "prompt": "hello there", "max_tokens": 1}))
             .send()
     };
+    let addr = h.addr;
+    let send = |secret: &str| keyed(addr, secret);
     assert_eq!(send("old-secret").await.unwrap().status(), 200);
     let cfg = config(&url, vec![key("new", "new-secret", None, None)], false);
     h.reload(cfg).await.unwrap();
@@ -76,13 +78,7 @@ async fn a_key_removed_by_a_reload_stops_on_connections_opened_before_it() {
     let (url, seen) = engine().await;
     let mut h = proxy(&url, vec![], false).await;
     let addr = h.addr;
-    let send = |secret: &str| {
-        client
-            .post(format!("http://{addr}/v1/completions"))
-            .header("authorization", format!("Bearer {secret}"))
-            .json(&json!({"model": "m", "prompt": "hello there", "max_tokens": 1}))
-            .send()
-    };
+    let send = |secret: &str| keyed(addr, secret);
     assert_eq!(send("engine-key").await.unwrap().status(), 200);
     assert!(
         seen.last().contains_key("authorization"),
