@@ -82,17 +82,8 @@ pub fn run(a: CapacityArgs) -> anyhow::Result<()> {
     if a.context == 0 || a.block_size == 0 || a.tp == Some(0) {
         bail!("--context, --block-size and --tp must be positive");
     }
-    if let Some(tp) = a.tp {
-        // vLLM splits the attention heads over the GPUs, and the KV heads too (or replicates
-        // them when there are fewer KV heads than GPUs).
-        if model.heads % tp != 0 || (model.kv_heads % tp != 0 && tp % model.kv_heads != 0) {
-            bail!(
-                "--tp {tp} does not divide {}'s {} attention heads and {} KV heads evenly",
-                model.name,
-                model.heads,
-                model.kv_heads
-            );
-        }
+    if let Some(why) = a.tp.and_then(|tp| model.tp_refusal(tp)) {
+        bail!("{why}");
     }
     if a.context > model.max_model_len {
         bail!(

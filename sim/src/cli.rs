@@ -341,15 +341,8 @@ impl SimArgs {
             if tp == 0 {
                 bail!("--tp must be at least 1");
             }
-            // vLLM shards attention heads across the TP ranks (KV heads may be replicated).
-            let m = &d.model;
-            if m.heads % tp != 0 || (m.kv_heads % tp != 0 && tp % m.kv_heads != 0) {
-                bail!(
-                    "--tp {tp} does not divide {}'s {} attention heads and {} KV heads evenly",
-                    m.name,
-                    m.heads,
-                    m.kv_heads
-                );
+            if let Some(why) = d.model.tp_refusal(tp) {
+                bail!("{why}");
             }
             d.tp = tp;
         }

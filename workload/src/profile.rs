@@ -190,6 +190,18 @@ impl ModelSpec {
             * f64::from(self.head_dim)
             * kv_bytes
     }
+    /// Why vLLM cannot run the model over `tp` GPUs, if it cannot: it splits the attention heads
+    /// over them, and the KV heads too (or replicates them when there are fewer KV heads).
+    pub fn tp_refusal(&self, tp: u32) -> Option<String> {
+        let splits =
+            tp > 0 && self.heads % tp == 0 && (self.kv_heads % tp == 0 || tp % self.kv_heads == 0);
+        (!splits).then(|| {
+            format!(
+                "--tp {tp} does not divide {}'s {} attention heads and {} KV heads evenly",
+                self.name, self.heads, self.kv_heads
+            )
+        })
+    }
 }
 
 /// An accelerator's memory and peak rates.
