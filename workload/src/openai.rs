@@ -104,36 +104,33 @@ pub(crate) mod lax {
         true
     }
 
+    /// A scalar read by `read` (the kind `what` names in the error), `None` for `null` or absent.
+    fn lax<'de, D: Deserializer<'de>, T>(
+        d: D,
+        read: fn(&Scalar) -> Option<T>,
+        what: &str,
+    ) -> Result<Option<T>, D::Error> {
+        match Option::<Scalar>::deserialize(d)? {
+            None => Ok(None),
+            Some(s) => read(&s)
+                .map(Some)
+                .ok_or_else(|| D::Error::custom(format!("expected {what}, got {}", s.shown()))),
+        }
+    }
+
     /// A boolean, lax; `null` reads as false.
     pub(crate) fn bool_or_null<'de, D: Deserializer<'de>>(d: D) -> Result<bool, D::Error> {
-        match Option::<Scalar>::deserialize(d)? {
-            None => Ok(false),
-            Some(s) => s
-                .bool()
-                .ok_or_else(|| D::Error::custom(format!("expected a boolean, got {}", s.shown()))),
-        }
+        Ok(lax(d, Scalar::bool, "a boolean")?.unwrap_or(false))
     }
 
     /// An optional integer, lax.
     pub(crate) fn opt_int<'de, D: Deserializer<'de>>(d: D) -> Result<Option<i64>, D::Error> {
-        match Option::<Scalar>::deserialize(d)? {
-            None => Ok(None),
-            Some(s) => s
-                .int()
-                .map(Some)
-                .ok_or_else(|| D::Error::custom(format!("expected an integer, got {}", s.shown()))),
-        }
+        lax(d, Scalar::int, "an integer")
     }
 
     /// An optional number, lax.
     pub(crate) fn opt_float<'de, D: Deserializer<'de>>(d: D) -> Result<Option<f64>, D::Error> {
-        match Option::<Scalar>::deserialize(d)? {
-            None => Ok(None),
-            Some(s) => s
-                .float()
-                .map(Some)
-                .ok_or_else(|| D::Error::custom(format!("expected a number, got {}", s.shown()))),
-        }
+        lax(d, Scalar::float, "a number")
     }
 }
 
