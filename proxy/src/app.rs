@@ -231,6 +231,13 @@ impl Headroom {
             .unwrap_or(&self.pools[0])
     }
 
+    /// A key's class, when this config has it (a request checked against a newer config's keys
+    /// may name a class this one lacks: the other rules then classify it).
+    fn key_class<'k>(&self, key: Option<&'k crate::auth::ClientKey>) -> Option<&'k String> {
+        key.and_then(|k| k.class.as_ref())
+            .filter(|c| self.cfg.classes.contains_key(*c))
+    }
+
     /// The key a request was let in with.
     fn client_key(ctx: &RequestCtx) -> Option<&crate::auth::ClientKey> {
         ctx.key.zip(ctx.keys.as_ref()).map(|(i, keys)| keys.get(i))
@@ -248,11 +255,8 @@ impl Headroom {
         prompt_tokens: Option<u32>,
     ) -> String {
         let classes = &self.cfg.classes;
-        if let Some(c) = key
-            .and_then(|k| k.class.clone())
-            .filter(|c| classes.contains_key(c))
-        {
-            return c;
+        if let Some(c) = self.key_class(key) {
+            return c.clone();
         }
         if let Some(c) = header.filter(|c| classes.contains_key(c)) {
             return c;
@@ -305,15 +309,8 @@ impl Headroom {
             let i = keys.authenticate(auth.map(|v| v.as_bytes()))?;
             ctx.key = Some(i);
             ctx.keys = Some(keys.clone());
-            // A key's class is known before its rate is checked: its refusals count in it. (A
-            // request checked against a newer config's keys may name a class this config lacks:
-            // then the other rules classify it.)
-            if let Some(class) = keys
-                .get(i)
-                .class
-                .as_ref()
-                .filter(|c| self.cfg.classes.contains_key(*c))
-            {
+            // A key's class is known before its rate is checked: its refusals count in it.
+            if let Some(class) = self.key_class(Some(keys.get(i))) {
                 ctx.pool = self.cfg.pool_of(class);
                 ctx.class = class.clone();
                 ctx.classified = true;

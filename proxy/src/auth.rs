@@ -181,6 +181,11 @@ impl KeySlot {
         self.0.read().unwrap_or_else(|e| e.into_inner()).clone()
     }
 
+    /// Whether keys are configured now (without taking a reference to them).
+    pub fn is_set(&self) -> bool {
+        self.0.read().unwrap_or_else(|e| e.into_inner()).is_some()
+    }
+
     /// Makes `keys` the ones every request is checked against from now on.
     pub fn set(&self, keys: Option<Arc<Keys>>) {
         *self.0.write().unwrap_or_else(|e| e.into_inner()) = keys;

@@ -120,8 +120,8 @@ impl ClientConn {
     /// The first bytes of the next request start its header's clock. The phase ends only when
     /// the proxy has parsed the header (`header_parsed`): a scan for the blank line would be
     /// fooled by the empty lines a parser skips before a request line.
-    fn saw(&mut self, new: &[u8]) {
-        if !new.is_empty() && matches!(self.phase, Phase::Idle(_)) {
+    fn bytes_arrived(&mut self) {
+        if matches!(self.phase, Phase::Idle(_)) {
             self.phase = Phase::Header(Box::pin(tokio::time::sleep(self.limits.header)));
         }
     }
@@ -141,7 +141,9 @@ impl AsyncRead for ClientConn {
         let before = buf.filled().len();
         match Pin::new(&mut this.inner).poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
-                this.saw(&buf.filled()[before..]);
+                if buf.filled().len() > before {
+                    this.bytes_arrived();
+                }
                 Poll::Ready(Ok(()))
             }
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),

@@ -175,7 +175,7 @@ impl HeaderRules {
     /// Whether the client's `Authorization` stays at the proxy: when its request was checked
     /// against keys, or keys are configured now (the serving config's).
     pub(crate) fn strips_authorization(&self, checked_with_keys: bool) -> bool {
-        checked_with_keys || self.keys.current().is_some()
+        checked_with_keys || self.keys.is_set()
     }
 
     /// Whether a client request header is passed on to a replica; `listed` are the names its
