@@ -46,9 +46,8 @@ const RETRY_STATUSES: &[u16] = &[502, 503];
 /// The fleet as one pick sees it.
 struct FleetLook {
     views: Vec<BackendView>,
-    /// Per replica, whether it may serve the model (it lists it, or its list is not known yet),
-    /// and whether it is known to (it lists it).
-    serves: Option<(Vec<bool>, Vec<bool>)>,
+    /// Per replica, whether its model list names the requested model (`None`: not read yet).
+    serves: Option<Vec<Option<bool>>>,
 }
 
 impl FleetLook {
@@ -63,12 +62,16 @@ impl FleetLook {
         for v in &mut views {
             v.healthy &= member(v.id);
         }
-        if let Some((serves, listed)) = &self.serves {
-            // Only a list that names the model closes the pool to the others: a replica down
-            // since start, whose list was never read, does not capture a model nobody lists.
-            if views.iter().any(|v| member(v.id) && listed[v.id]) {
+        if let Some(serves) = &self.serves {
+            // Only a list that names the model closes the pool to the others (and to replicas
+            // whose list is not known): a replica down since start, whose list was never read,
+            // does not capture a model nobody lists.
+            if views
+                .iter()
+                .any(|v| member(v.id) && serves[v.id] == Some(true))
+            {
                 for v in &mut views {
-                    v.healthy &= serves[v.id];
+                    v.healthy &= serves[v.id] != Some(false);
                 }
             }
         }
@@ -542,14 +545,7 @@ impl Headroom {
     fn look(&self, model: Option<&str>) -> FleetLook {
         FleetLook {
             views: self.fleet.views(),
-            serves: model.map(|m| {
-                let lists: Vec<Option<bool>> =
-                    self.fleet.backends.iter().map(|b| b.serves(m)).collect();
-                (
-                    lists.iter().map(|l| *l != Some(false)).collect(),
-                    lists.iter().map(|l| *l == Some(true)).collect(),
-                )
-            }),
+            serves: model.map(|m| self.fleet.backends.iter().map(|b| b.serves(m)).collect()),
         }
     }
 
