@@ -1378,12 +1378,12 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             // Each shard's times count from its own start: on one clock, from the earliest.
             let starts: Option<Vec<f64>> =
                 docs.iter().map(|d| d["started_unix_ms"].as_f64()).collect();
-            let offsets = match &starts {
-                Some(s) => {
-                    let t0 = s.iter().copied().fold(f64::INFINITY, f64::min);
-                    s.iter().map(|t| t - t0).collect()
-                }
-                None => {
+            let t0 = starts
+                .as_ref()
+                .map(|s| s.iter().copied().fold(f64::INFINITY, f64::min));
+            let offsets = match (&starts, t0) {
+                (Some(s), Some(t0)) => s.iter().map(|t| t - t0).collect(),
+                _ => {
                     eprintln!(
                         "headroom report merge: a result has no start time (written by an older headroom): its shards are merged as if they started together"
                     );
@@ -1438,7 +1438,7 @@ pub fn run_report(cmd: ReportCommand) -> anyhow::Result<()> {
             contract["input_tokens"] = length_stats(rows.iter().map(|r| r.input_length));
             contract["output_tokens"] = length_stats(rows.iter().map(|r| r.output_length));
             let doc = json!({"schema": RESULT_SCHEMA, "contract": contract, "summary": summary,
-                             "started_unix_ms": starts.map(|s| s.iter().copied().fold(f64::INFINITY, f64::min)), "requests": rows,
+                             "started_unix_ms": t0, "requests": rows,
                              "note": "merged from shards: ITL per chunk is not kept per request, so the merged ITL distribution is empty"});
             outputs::write(
                 &a.out.join("result.json"),
