@@ -15,7 +15,7 @@ use std::time::{Duration, Instant};
 
 use futures_util::StreamExt;
 use headroom_workload::digest::OutputDigest;
-use headroom_workload::measure::read_event;
+use headroom_workload::measure::EventReader;
 use headroom_workload::sse::SseParser;
 use serde_json::Value;
 
@@ -306,6 +306,7 @@ async fn exchange(
     let mut messages = 0u64;
     let mut done = false;
     let mut digest = OutputDigest::new();
+    let mut events = EventReader::new();
     while let Some(chunk) = stream.next().await {
         let chunk = match chunk {
             Ok(c) => c,
@@ -322,7 +323,7 @@ async fn exchange(
             }
             // The borrowing reader first (this runs for every event of every stream, on the
             // load generator's own cores); an error event or an unusual shape is read whole.
-            let info = read_event(&event.data, Some(&mut digest));
+            let info = events.read(&event.data, Some(&mut digest));
             let has_choices = if info.error {
                 let Ok(v) = serde_json::from_str::<Value>(&event.data) else {
                     return;
