@@ -885,7 +885,7 @@ impl ProxyHttp for Headroom {
 }
 
 /// The client connection a request came on (the accept loop wraps every one).
-fn client_conn(session: &Session) -> Option<&crate::client_conn::ClientConn> {
+pub(crate) fn client_conn(session: &Session) -> Option<&crate::client_conn::ClientConn> {
     session
         .as_downstream()
         .stream()

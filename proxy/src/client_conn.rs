@@ -13,11 +13,16 @@
 //! The proxy moves the phase from its request phases (a parsed header: `header_parsed`; a finished
 //! request: `response_done`) through an atomic the reading side takes on its next read, so a read
 //! in the Off phase, every chunk's disconnect watch included, costs one atomic load.
+//!
+//! A plaintext connection holds its socket itself (not pingora's stream around it), so the relay
+//! can write a stream's chunks straight to it ([`ClientConn::write_chunk`]) while pingora holds
+//! the connection: the chunk costs one `writev` and no pass through pingora's body writer.
 
 use std::pin::Pin;
+use std::sync::Arc;
 use std::sync::atomic::{AtomicU8, Ordering};
 use std::task::{Context, Poll};
-use std::time::Duration;
+use std::time::{Duration, SystemTime};
 
 use pingora::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
@@ -52,10 +57,26 @@ enum Phase {
 
 /// A client's stream, held to [`ConnLimits`] between and at the start of its requests.
 pub struct ClientConn {
-    inner: Stream,
+    inner: Inner,
     ctl: AtomicU8,
     phase: Phase,
     limits: ConnLimits,
+}
+
+/// What a client connection reads and writes through.
+enum Inner {
+    /// A plaintext socket, held here.
+    Plain(PlainTcp),
+    /// Anything else pingora reads (a TLS stream).
+    Wrapped(Stream),
+}
+
+/// A plaintext client socket and what pingora asks of it.
+struct PlainTcp {
+    tcp: tokio::net::TcpStream,
+    socket: Option<Arc<SocketDigest>>,
+    established: SystemTime,
+    proxy: Option<Arc<pingora::protocols::raw_connect::ProxyDigest>>,
 }
 
 impl std::fmt::Debug for ClientConn {
@@ -65,10 +86,12 @@ impl std::fmt::Debug for ClientConn {
             Phase::Idle(_) => "idle",
             Phase::Header(_) => "header",
         };
-        f.debug_struct("ClientConn")
-            .field("inner", &self.inner)
-            .field("phase", &phase)
-            .finish()
+        let mut d = f.debug_struct("ClientConn");
+        match &self.inner {
+            Inner::Plain(p) => d.field("tcp", &p.tcp),
+            Inner::Wrapped(s) => d.field("inner", s),
+        };
+        d.field("phase", &phase).finish()
     }
 }
 
@@ -82,11 +105,82 @@ impl ClientConn {
             Phase::Off
         };
         Self {
-            inner: stream,
+            inner: Inner::Wrapped(stream),
             ctl: AtomicU8::new(KEEP),
             phase,
             limits,
         }
+    }
+
+    /// A plaintext connection from `peer` whose first request's header has been bounded already.
+    pub fn plain(
+        tcp: tokio::net::TcpStream,
+        peer: std::net::SocketAddr,
+        limits: ConnLimits,
+    ) -> Self {
+        use std::os::fd::AsRawFd;
+        // The client's address (X-Forwarded-For) as accept gave it, not asked of the socket again.
+        let digest = SocketDigest::from_raw_fd(tcp.as_raw_fd());
+        let _ = digest
+            .peer_addr
+            .set(Some(pingora::protocols::l4::socket::SocketAddr::Inet(peer)));
+        let socket = Some(Arc::new(digest));
+        Self {
+            inner: Inner::Plain(PlainTcp {
+                tcp,
+                socket,
+                established: SystemTime::now(),
+                proxy: None,
+            }),
+            ctl: AtomicU8::new(KEEP),
+            phase: Phase::Off,
+            limits,
+        }
+    }
+
+    /// Writes one chunk of a chunked response body (its size line, `data` and the line end) to a
+    /// plaintext client, straight to the socket. `None` for any other connection (write through
+    /// pingora). Waiting for room in the socket is bounded by `timeout`, as pingora bounds its own
+    /// writes.
+    ///
+    /// Only between a response header pingora wrote (chunked) and the end pingora writes: nothing
+    /// else writes to the connection meanwhile, and nothing is buffered above the socket.
+    pub async fn write_chunk(&self, data: &[u8], timeout: Duration) -> Option<std::io::Result<()>> {
+        let Inner::Plain(plain) = &self.inner else {
+            return None;
+        };
+        if data.is_empty() {
+            // A chunk of size 0 would end the body.
+            return Some(Ok(()));
+        }
+        let mut size = [0u8; 18];
+        let size = chunk_size_line(data.len(), &mut size);
+        let mut parts = [
+            std::io::IoSlice::new(size),
+            std::io::IoSlice::new(data),
+            std::io::IoSlice::new(b"\r\n"),
+        ];
+        let mut left: &mut [std::io::IoSlice<'_>] = &mut parts;
+        while !left.is_empty() {
+            match plain.tcp.try_write_vectored(left) {
+                Ok(0) => return Some(Err(std::io::ErrorKind::WriteZero.into())),
+                Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                    match tokio::time::timeout(timeout, plain.tcp.writable()).await {
+                        Ok(Ok(())) => {}
+                        Ok(Err(e)) => return Some(Err(e)),
+                        Err(_) => {
+                            return Some(Err(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "the client took no bytes within timeouts.client_write_ms",
+                            )));
+                        }
+                    }
+                }
+                Err(e) => return Some(Err(e)),
+            }
+        }
+        Some(Ok(()))
     }
 
     /// The connection of a pingora stream, when it is one.
@@ -136,10 +230,10 @@ impl AsyncRead for ClientConn {
         let this = self.get_mut();
         this.take_ctl();
         if let Phase::Off = this.phase {
-            return Pin::new(&mut this.inner).poll_read(cx, buf);
+            return this.inner.poll_read(cx, buf);
         }
         let before = buf.filled().len();
-        match Pin::new(&mut this.inner).poll_read(cx, buf) {
+        match this.inner.poll_read(cx, buf) {
             Poll::Ready(Ok(())) => {
                 if buf.filled().len() > before {
                     this.bytes_arrived();
@@ -175,7 +269,10 @@ impl AsyncWrite for ClientConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write(cx, buf)
+        match &mut self.get_mut().inner {
+            Inner::Plain(p) => Pin::new(&mut p.tcp).poll_write(cx, buf),
+            Inner::Wrapped(s) => Pin::new(s).poll_write(cx, buf),
+        }
     }
 
     fn poll_write_vectored(
@@ -183,88 +280,261 @@ impl AsyncWrite for ClientConn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
-        Pin::new(&mut self.get_mut().inner).poll_write_vectored(cx, bufs)
+        match &mut self.get_mut().inner {
+            Inner::Plain(p) => Pin::new(&mut p.tcp).poll_write_vectored(cx, bufs),
+            Inner::Wrapped(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+        }
     }
 
     fn is_write_vectored(&self) -> bool {
-        self.inner.is_write_vectored()
+        match &self.inner {
+            Inner::Plain(p) => p.tcp.is_write_vectored(),
+            Inner::Wrapped(s) => s.is_write_vectored(),
+        }
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_flush(cx)
+        match &mut self.get_mut().inner {
+            Inner::Plain(p) => Pin::new(&mut p.tcp).poll_flush(cx),
+            Inner::Wrapped(s) => Pin::new(s).poll_flush(cx),
+        }
     }
 
     fn poll_shutdown(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
-        Pin::new(&mut self.get_mut().inner).poll_shutdown(cx)
+        match &mut self.get_mut().inner {
+            Inner::Plain(p) => Pin::new(&mut p.tcp).poll_shutdown(cx),
+            Inner::Wrapped(s) => Pin::new(s).poll_shutdown(cx),
+        }
     }
+}
+
+impl Inner {
+    fn poll_read(
+        &mut self,
+        cx: &mut Context<'_>,
+        buf: &mut ReadBuf<'_>,
+    ) -> Poll<std::io::Result<()>> {
+        match self {
+            Inner::Plain(p) => Pin::new(&mut p.tcp).poll_read(cx, buf),
+            Inner::Wrapped(s) => Pin::new(s).poll_read(cx, buf),
+        }
+    }
+}
+
+/// `n` in hex and a line end, as a chunk's size line, in `buf`.
+fn chunk_size_line(n: usize, buf: &mut [u8; 18]) -> &[u8] {
+    let digits = ((usize::BITS - n.leading_zeros()).div_ceil(4) as usize).max(1);
+    for i in 0..digits {
+        buf[digits - 1 - i] = b"0123456789ABCDEF"[(n >> (4 * i)) & 0xF];
+    }
+    buf[digits] = b'\r';
+    buf[digits + 1] = b'\n';
+    &buf[..digits + 2]
 }
 
 #[async_trait::async_trait]
 impl Shutdown for ClientConn {
     async fn shutdown(&mut self) {
-        self.inner.shutdown().await;
+        match &mut self.inner {
+            Inner::Plain(p) => {
+                use tokio::io::AsyncWriteExt;
+                if let Err(e) = p.tcp.shutdown().await {
+                    tracing::debug!("shutting down a client connection: {e}");
+                }
+            }
+            Inner::Wrapped(s) => s.shutdown().await,
+        }
     }
 }
 
 impl UniqueID for ClientConn {
     fn id(&self) -> UniqueIDType {
-        self.inner.id()
+        match &self.inner {
+            Inner::Plain(p) => {
+                use std::os::fd::AsRawFd;
+                p.tcp.as_raw_fd()
+            }
+            Inner::Wrapped(s) => s.id(),
+        }
     }
 }
 
 impl Ssl for ClientConn {
     fn get_ssl(&self) -> Option<&pingora::protocols::tls::TlsRef> {
-        self.inner.get_ssl()
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Wrapped(s) => s.get_ssl(),
+        }
     }
 
-    fn get_ssl_digest(&self) -> Option<std::sync::Arc<pingora::protocols::tls::SslDigest>> {
-        self.inner.get_ssl_digest()
+    fn get_ssl_digest(&self) -> Option<Arc<pingora::protocols::tls::SslDigest>> {
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Wrapped(s) => s.get_ssl_digest(),
+        }
     }
 
     fn selected_alpn_proto(&self) -> Option<pingora::protocols::ALPN> {
-        self.inner.selected_alpn_proto()
+        match &self.inner {
+            Inner::Plain(_) => None,
+            Inner::Wrapped(s) => s.selected_alpn_proto(),
+        }
     }
 }
 
 impl GetTimingDigest for ClientConn {
     fn get_timing_digest(&self) -> Vec<Option<pingora::protocols::TimingDigest>> {
-        self.inner.get_timing_digest()
+        match &self.inner {
+            Inner::Plain(p) => vec![Some(pingora::protocols::TimingDigest {
+                established_ts: p.established,
+                ..Default::default()
+            })],
+            Inner::Wrapped(s) => s.get_timing_digest(),
+        }
     }
 
     fn get_read_pending_time(&self) -> Duration {
-        self.inner.get_read_pending_time()
+        match &self.inner {
+            Inner::Plain(_) => Duration::ZERO,
+            Inner::Wrapped(s) => s.get_read_pending_time(),
+        }
     }
 
     fn get_write_pending_time(&self) -> Duration {
-        self.inner.get_write_pending_time()
+        match &self.inner {
+            Inner::Plain(_) => Duration::ZERO,
+            Inner::Wrapped(s) => s.get_write_pending_time(),
+        }
     }
 }
 
 impl GetProxyDigest for ClientConn {
-    fn get_proxy_digest(
-        &self,
-    ) -> Option<std::sync::Arc<pingora::protocols::raw_connect::ProxyDigest>> {
-        self.inner.get_proxy_digest()
+    fn get_proxy_digest(&self) -> Option<Arc<pingora::protocols::raw_connect::ProxyDigest>> {
+        match &self.inner {
+            Inner::Plain(p) => p.proxy.clone(),
+            Inner::Wrapped(s) => s.get_proxy_digest(),
+        }
     }
 
     fn set_proxy_digest(&mut self, digest: pingora::protocols::raw_connect::ProxyDigest) {
-        self.inner.set_proxy_digest(digest);
+        match &mut self.inner {
+            Inner::Plain(p) => p.proxy = Some(Arc::new(digest)),
+            Inner::Wrapped(s) => s.set_proxy_digest(digest),
+        }
     }
 }
 
 impl GetSocketDigest for ClientConn {
-    fn get_socket_digest(&self) -> Option<std::sync::Arc<SocketDigest>> {
-        self.inner.get_socket_digest()
+    fn get_socket_digest(&self) -> Option<Arc<SocketDigest>> {
+        match &self.inner {
+            Inner::Plain(p) => p.socket.clone(),
+            Inner::Wrapped(s) => s.get_socket_digest(),
+        }
     }
 
     fn set_socket_digest(&mut self, digest: SocketDigest) {
-        self.inner.set_socket_digest(digest);
+        match &mut self.inner {
+            Inner::Plain(p) => p.socket = Some(Arc::new(digest)),
+            Inner::Wrapped(s) => s.set_socket_digest(digest),
+        }
     }
 }
 
 #[async_trait::async_trait]
 impl Peek for ClientConn {
     async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
-        self.inner.try_peek(buf).await
+        match &mut self.inner {
+            Inner::Plain(p) => p.tcp.peek(buf).await.map(|_| true),
+            Inner::Wrapped(s) => s.try_peek(buf).await,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tokio::io::AsyncReadExt;
+
+    fn limits() -> ConnLimits {
+        ConnLimits {
+            header: Duration::from_secs(5),
+            keepalive: Duration::from_secs(5),
+            slow_headers: prometheus::IntCounter::new("slow", "slow headers").expect("counter"),
+        }
+    }
+
+    /// A connected pair: the proxy's side and the client's.
+    async fn pair() -> (tokio::net::TcpStream, tokio::net::TcpStream) {
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0")
+            .await
+            .expect("bind");
+        let addr = listener.local_addr().expect("addr");
+        let (client, accepted) =
+            tokio::join!(tokio::net::TcpStream::connect(addr), listener.accept());
+        (accepted.expect("accept").0, client.expect("connect"))
+    }
+
+    #[test]
+    fn size_lines_are_hex_with_a_line_end() {
+        let mut buf = [0u8; 18];
+        for (n, want) in [
+            (1, "1\r\n"),
+            (15, "F\r\n"),
+            (16, "10\r\n"),
+            (255, "FF\r\n"),
+            (4096, "1000\r\n"),
+            (usize::MAX, "FFFFFFFFFFFFFFFF\r\n"),
+        ] {
+            assert_eq!(chunk_size_line(n, &mut buf), want.as_bytes(), "{n}");
+        }
+    }
+
+    #[tokio::test]
+    async fn a_chunk_larger_than_the_socket_holds_arrives_whole_and_framed() {
+        let (server, mut client) = pair().await;
+        let conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        // More than loopback's socket buffers take at once: the write waits for the reader.
+        let data: Vec<u8> = (0..32usize << 20).map(|i| (i % 251) as u8).collect();
+        let reader = tokio::spawn(async move {
+            let mut got = Vec::new();
+            client.read_to_end(&mut got).await.expect("read");
+            got
+        });
+        let written = conn.write_chunk(&data, Duration::from_secs(60)).await;
+        assert!(matches!(written, Some(Ok(()))), "{written:?}");
+        assert!(matches!(
+            conn.write_chunk(b"", Duration::from_secs(1)).await,
+            Some(Ok(()))
+        ));
+        drop(conn);
+        let got = reader.await.expect("reader");
+        let mut want = format!("{:X}\r\n", data.len()).into_bytes();
+        want.extend_from_slice(&data);
+        want.extend_from_slice(b"\r\n");
+        assert_eq!(got.len(), want.len());
+        assert!(got == want, "the bytes differ");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_client_that_takes_nothing_times_the_write_out() {
+        let (server, _client) = pair().await;
+        let conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let data = vec![b'x'; 64 << 20];
+        match conn.write_chunk(&data, Duration::from_millis(100)).await {
+            Some(Err(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut),
+            other => panic!("expected a timeout, got {other:?}"),
+        }
+    }
+
+    #[tokio::test]
+    async fn a_wrapped_stream_is_written_through_pingora() {
+        let (server, _client) = pair().await;
+        let stream: Stream = Box::new(pingora::protocols::l4::stream::Stream::from(server));
+        let conn = ClientConn::new(stream, limits(), false);
+        assert!(
+            conn.write_chunk(b"x", Duration::from_secs(1))
+                .await
+                .is_none()
+        );
     }
 }

@@ -255,6 +255,14 @@ fn upstream_header(
     Ok(up)
 }
 
+/// Whether the response pingora has just started is a chunked body (its last transfer coding
+/// `chunked`, and a body allowed: not `HEAD`, 204 or 304), whose chunks the relay may frame itself.
+fn chunked_body(session: &Session, status: http::StatusCode, te_chunked: bool) -> bool {
+    te_chunked
+        && !matches!(status.as_u16(), 100..=199 | 204 | 304)
+        && session.req_header().method != http::Method::HEAD
+}
+
 fn classify(e: &pingora::Error, stage: &str) -> ProxyError {
     use pingora::ErrorType as T;
     let kind = match e.etype() {
@@ -687,6 +695,13 @@ impl Headroom {
         // answered in (RFC 9110 §6.2).
         resp.set_version(http::Version::HTTP_11);
         let end_now = up.response_done();
+        let resp_status = resp.status;
+        let resp_te_chunked = resp
+            .headers
+            .get_all(header::TRANSFER_ENCODING)
+            .iter()
+            .next_back()
+            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"chunked"));
         if session
             .write_response_header(Box::new(resp), false)
             .await
@@ -702,10 +717,14 @@ impl Headroom {
         if ctx.mirror.as_ref().is_some_and(|m| m.wants_digest()) {
             meter = meter.with_digest();
         }
+        // A chunked body goes to a plaintext client straight to its socket, chunk by chunk
+        // (pingora wrote the header and writes the last chunk).
+        let direct = chunked_body(session, resp_status, resp_te_chunked);
         let ended = if end_now {
             Ended::Complete
         } else {
-            self.pump(session, &mut up, &mut meter, guard, is_sse).await
+            self.pump(session, &mut up, &mut meter, guard, is_sse, direct)
+                .await
         };
         let rest = meter.finish(std::time::Instant::now(), matches!(ended, Ended::Complete));
         ctx.meter = Some(meter);
@@ -738,8 +757,10 @@ impl Headroom {
         meter: &mut ResponseMeter,
         guard: &mut InFlight,
         is_sse: bool,
+        direct: bool,
     ) -> Ended {
         let backend = guard.backend().clone();
+        let write_timeout = Duration::from_millis(self.cfg.timeouts.client_write_ms);
         // Engines send the header at once and the first chunk after queueing and prefill, so the
         // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
         let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
@@ -774,7 +795,15 @@ impl Headroom {
                             guard.first_output();
                         }
                         if let Some(bytes) = passed.forward {
-                            if session.write_response_body(Some(bytes), false).await.is_err() {
+                            let written = match crate::app::client_conn(session) {
+                                Some(conn) if direct => conn.write_chunk(&bytes, write_timeout).await,
+                                _ => None,
+                            };
+                            let written = match written {
+                                Some(r) => r.is_ok(),
+                                None => session.write_response_body(Some(bytes), false).await.is_ok(),
+                            };
+                            if !written {
                                 return self.client_gone(&backend);
                             }
                         }

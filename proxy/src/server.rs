@@ -1034,7 +1034,7 @@ async fn accept_loop(
     mut stop: watch::Receiver<bool>,
 ) {
     loop {
-        let (tcp, _) = tokio::select! {
+        let (tcp, peer) = tokio::select! {
             r = listener.accept() => match r {
                 Ok(c) => c,
                 Err(e) => {
@@ -1059,15 +1059,23 @@ async fn accept_loop(
             if tls.is_none() && !first_header.arrives(&tcp).await {
                 return;
             }
-            let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);
-            // The client's address (X-Forwarded-For) is read from the socket when first asked.
-            stream.set_socket_digest(SocketDigest::from_raw_fd(stream.as_raw_fd()));
-            let stream: pingora::protocols::Stream = match &tls {
-                None => Box::new(stream),
+            // Every later request of the connection is held to the same header deadline, and
+            // the connection to an idle limit between requests.
+            let limits = crate::client_conn::ConnLimits {
+                header: first_header.budget,
+                keepalive: first_header.keepalive,
+                slow_headers: first_header.closed.clone(),
+            };
+            let conn = match &tls {
+                None => crate::client_conn::ClientConn::plain(tcp, peer, limits),
                 Some(acceptor) => {
+                    let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);
+                    // The client's address (X-Forwarded-For) is read from the socket when first
+                    // asked.
+                    stream.set_socket_digest(SocketDigest::from_raw_fd(stream.as_raw_fd()));
                     let shake = acceptor.tls_handshake(stream);
                     match tokio::time::timeout(first_header.budget, shake).await {
-                        Ok(Ok(s)) => Box::new(s),
+                        Ok(Ok(s)) => crate::client_conn::ClientConn::new(Box::new(s), limits, true),
                         Ok(Err(e)) => {
                             tracing::debug!("TLS handshake failed: {e}");
                             return;
@@ -1079,18 +1087,7 @@ async fn accept_loop(
                     }
                 }
             };
-            // Every later request of the connection is held to the same header deadline, and
-            // the connection to an idle limit between requests.
-            let limits = crate::client_conn::ConnLimits {
-                header: first_header.budget,
-                keepalive: first_header.keepalive,
-                slow_headers: first_header.closed.clone(),
-            };
-            let stream: pingora::protocols::Stream = Box::new(crate::client_conn::ClientConn::new(
-                stream,
-                limits,
-                tls.is_some(),
-            ));
+            let stream: pingora::protocols::Stream = Box::new(conn);
             let mut next: Option<pingora::protocols::Stream> = Some(stream);
             while let Some(s) = next {
                 next = app.process_new(s, &shutdown).await;
