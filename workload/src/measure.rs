@@ -234,8 +234,9 @@ pub fn read_event(data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
     parse_event(data, digest).0
 }
 
-/// Reads one event whole, and says what the next event of the same stream may reuse of it.
-fn parse_event(data: &str, digest: Option<&mut OutputDigest>) -> (EventInfo, Option<Shape>) {
+/// Reads one event whole, and says where its text is if the next event of the same stream may
+/// reuse the rest.
+fn parse_event(data: &str, digest: Option<&mut OutputDigest>) -> (EventInfo, Option<TextCut>) {
     if data.is_empty() {
         // An event whose data is empty has nothing to read (clients skip it): it is no output,
         // no error.
@@ -268,11 +269,11 @@ fn parse_event(data: &str, digest: Option<&mut OutputDigest>) -> (EventInfo, Opt
         done: false,
         choices: choices.count,
     };
-    let shape = match (&choices.zero, choices.count, &ev.error) {
-        (Some(zero), 1, None) => Shape::of(data, zero, &info),
+    let cut = match (&choices.zero, choices.count, &ev.error) {
+        (Some(zero), 1, None) => TextCut::of(data, zero),
         _ => None,
     };
-    (info, shape)
+    (info, cut)
 }
 
 /// Reads the events of one stream in order. Consecutive events of a stream are the same bytes
@@ -301,36 +302,56 @@ impl EventReader {
                     }
                 }
                 let mut info = shape.info.clone();
-                info.output = shape.output_without_text || !text.is_empty();
+                info.output = shape.cut.output_without_text || !text.is_empty();
                 return info;
             }
         }
-        let (info, shape) = parse_event(data, digest);
-        if shape.is_some() {
-            // An event of another shape (an escaped text, say) keeps the last shape known: the
-            // events after it are likely that shape again.
-            self.shape = shape;
+        let (info, cut) = parse_event(data, digest);
+        // An event of another shape (an escaped text, say) keeps the last shape known: the events
+        // after it are likely that shape again.
+        if let Some(cut) = cut {
+            // The shape's buffer is reused: a stream whose events all differ (a usage count in
+            // each) copies each event into it, without allocating.
+            let shape = self.shape.get_or_insert_with(|| Shape {
+                event: String::new(),
+                cut,
+                info: EventInfo::default(),
+            });
+            shape.event.clear();
+            shape.event.push_str(data);
+            shape.cut = cut;
+            shape.info.clone_from(&info);
         }
         info
     }
 }
 
 /// An event with one choice whose output is a single text field (`text`, or `content` or a
-/// reasoning field of the `delta`), cut around that text's value: an event that starts with
-/// `prefix` (up to the value's opening quote), ends with `suffix` (from its closing quote) and
-/// holds between them only bytes a JSON string takes unescaped (no quote, backslash or control
-/// character) has the same tokens but for that one string, so it reads as `info` with that text.
+/// reasoning field of the `delta`), and where that text's value lies in it: an event that starts
+/// with the same bytes up to the value's opening quote, ends with the same bytes from its closing
+/// quote, and holds between them only bytes a JSON string takes unescaped (no quote, backslash or
+/// control character) has the same tokens but for that one string, so it reads as `info` with
+/// that text.
 #[derive(Debug)]
 struct Shape {
-    prefix: Box<str>,
-    suffix: Box<str>,
+    event: String,
+    cut: TextCut,
     info: EventInfo,
+}
+
+/// Where an event's output text lies in it.
+#[derive(Debug, Clone, Copy)]
+struct TextCut {
+    /// The text's first byte (just past its opening quote).
+    start: usize,
+    /// Just past its last byte (its closing quote).
+    end: usize,
     /// The choice carries output whatever its text (a finish reason, tool calls).
     output_without_text: bool,
 }
 
-impl Shape {
-    fn of(data: &str, zero: &ChoiceLite<'_>, info: &EventInfo) -> Option<Self> {
+impl TextCut {
+    fn of(data: &str, zero: &ChoiceLite<'_>) -> Option<Self> {
         let delta = zero.delta.as_ref();
         let fields = [
             (OutputField::Text, zero.text.as_ref()),
@@ -363,18 +384,19 @@ impl Shape {
             return None;
         }
         Some(Self {
-            prefix: data[..start].into(),
-            suffix: data[end..].into(),
-            info: info.clone(),
+            start,
+            end,
             output_without_text: zero.has_output_without(field),
         })
     }
+}
 
+impl Shape {
     /// The text of an event of this shape, unescaped as it stands.
     fn text_of<'d>(&self, data: &'d str) -> Option<&'d str> {
         let text = data
-            .strip_prefix(&*self.prefix)?
-            .strip_suffix(&*self.suffix)?;
+            .strip_prefix(&self.event[..self.cut.start])?
+            .strip_suffix(&self.event[self.cut.end..])?;
         let plain = !text.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20);
         plain.then_some(text)
     }
@@ -943,13 +965,13 @@ mod tests {
         // The role chunk's shape (its `content` with other text) is not the text chunks' shape:
         // the first one is read whole and becomes the shape.
         assert!(reader.read(&text(" one"), None).output);
-        let shape = reader.shape.as_ref().map(|s| s.prefix.len());
+        let shape = reader.shape.as_ref().map(|s| s.cut.start);
         assert!(shape.is_some(), "a text chunk has a shape");
         assert!(reader.read(&text(" two"), None).output);
         assert!(!reader.read(&text(""), None).output);
         // An escaped text is read whole and leaves the shape as it was.
         assert!(reader.read(&text("\\n"), None).output);
-        assert_eq!(reader.shape.as_ref().map(|s| s.prefix.len()), shape);
+        assert_eq!(reader.shape.as_ref().map(|s| s.cut.start), shape);
         let last = reader.read(SHAPES[3], None);
         assert_eq!(last.finish_reason.as_deref(), Some("stop"));
         assert!(last.output);
