@@ -20,7 +20,7 @@
 
 use std::pin::Pin;
 use std::sync::Arc;
-use std::sync::atomic::{AtomicU8, Ordering};
+use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -59,6 +59,8 @@ enum Phase {
 pub struct ClientConn {
     inner: Inner,
     ctl: AtomicU8,
+    /// Set by [`ClientConn::abort`]: every later write fails.
+    aborted: AtomicBool,
     phase: Phase,
     limits: ConnLimits,
 }
@@ -107,6 +109,7 @@ impl ClientConn {
         Self {
             inner: Inner::Wrapped(stream),
             ctl: AtomicU8::new(KEEP),
+            aborted: AtomicBool::new(false),
             phase,
             limits,
         }
@@ -133,6 +136,7 @@ impl ClientConn {
                 proxy: None,
             }),
             ctl: AtomicU8::new(KEEP),
+            aborted: AtomicBool::new(false),
             phase: Phase::Off,
             limits,
         }
@@ -161,12 +165,18 @@ impl ClientConn {
             std::io::IoSlice::new(b"\r\n"),
         ];
         let mut left: &mut [std::io::IoSlice<'_>] = &mut parts;
+        // One bound for the whole chunk, not for each wait: a client taking a few bytes at a
+        // time cannot stretch it.
+        let deadline = tokio::time::Instant::now() + timeout;
         while !left.is_empty() {
+            if self.is_aborted() {
+                return Some(Err(aborted()));
+            }
             match plain.tcp.try_write_vectored(left) {
                 Ok(0) => return Some(Err(std::io::ErrorKind::WriteZero.into())),
                 Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    match tokio::time::timeout(timeout, plain.tcp.writable()).await {
+                    match tokio::time::timeout_at(deadline, plain.tcp.writable()).await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => return Some(Err(e)),
                         Err(_) => {
@@ -196,6 +206,17 @@ impl ClientConn {
     /// The request ended: the connection may now wait for its next one, for the keep-alive time.
     pub fn response_done(&self) {
         self.ctl.store(ARM_IDLE, Ordering::Release);
+    }
+
+    /// Ends the connection where it stands: every later write fails, so the response is not
+    /// finished (no last chunk after a cut one) and the connection closes instead of being
+    /// kept alive.
+    pub fn abort(&self) {
+        self.aborted.store(true, Ordering::Release);
+    }
+
+    fn is_aborted(&self) -> bool {
+        self.aborted.load(Ordering::Acquire)
     }
 
     fn take_ctl(&mut self) {
@@ -269,6 +290,9 @@ impl AsyncWrite for ClientConn {
         cx: &mut Context<'_>,
         buf: &[u8],
     ) -> Poll<std::io::Result<usize>> {
+        if self.is_aborted() {
+            return Poll::Ready(Err(aborted()));
+        }
         match &mut self.get_mut().inner {
             Inner::Plain(p) => Pin::new(&mut p.tcp).poll_write(cx, buf),
             Inner::Wrapped(s) => Pin::new(s).poll_write(cx, buf),
@@ -280,6 +304,9 @@ impl AsyncWrite for ClientConn {
         cx: &mut Context<'_>,
         bufs: &[std::io::IoSlice<'_>],
     ) -> Poll<std::io::Result<usize>> {
+        if self.is_aborted() {
+            return Poll::Ready(Err(aborted()));
+        }
         match &mut self.get_mut().inner {
             Inner::Plain(p) => Pin::new(&mut p.tcp).poll_write_vectored(cx, bufs),
             Inner::Wrapped(s) => Pin::new(s).poll_write_vectored(cx, bufs),
@@ -294,6 +321,9 @@ impl AsyncWrite for ClientConn {
     }
 
     fn poll_flush(self: Pin<&mut Self>, cx: &mut Context<'_>) -> Poll<std::io::Result<()>> {
+        if self.is_aborted() {
+            return Poll::Ready(Err(aborted()));
+        }
         match &mut self.get_mut().inner {
             Inner::Plain(p) => Pin::new(&mut p.tcp).poll_flush(cx),
             Inner::Wrapped(s) => Pin::new(s).poll_flush(cx),
@@ -319,6 +349,13 @@ impl Inner {
             Inner::Wrapped(s) => Pin::new(s).poll_read(cx, buf),
         }
     }
+}
+
+fn aborted() -> std::io::Error {
+    std::io::Error::new(
+        std::io::ErrorKind::ConnectionAborted,
+        "the proxy ended this connection in the middle of a response",
+    )
 }
 
 /// `n` in hex and a line end, as a chunk's size line, in `buf`.
@@ -444,7 +481,9 @@ impl GetSocketDigest for ClientConn {
 impl Peek for ClientConn {
     async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
         match &mut self.inner {
-            Inner::Plain(p) => p.tcp.peek(buf).await.map(|_| true),
+            // Nothing here peeks (pingora asks only to detect h2c, which is off): a peek that
+            // filled less than `buf` would mislead it, so say peeking is not supported.
+            Inner::Plain(_) => Ok(false),
             Inner::Wrapped(s) => s.try_peek(buf).await,
         }
     }
@@ -524,6 +563,24 @@ mod tests {
             Some(Err(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut),
             other => panic!("expected a timeout, got {other:?}"),
         }
+    }
+
+    #[tokio::test]
+    async fn an_aborted_connection_takes_no_more_bytes() {
+        use tokio::io::AsyncWriteExt;
+        let (server, mut client) = pair().await;
+        let mut conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        conn.write_all(b"head").await.expect("write");
+        conn.abort();
+        assert!(conn.write_all(b"0\r\n\r\n").await.is_err());
+        assert!(matches!(
+            conn.write_chunk(b"x", Duration::from_secs(1)).await,
+            Some(Err(_))
+        ));
+        drop(conn);
+        let mut got = Vec::new();
+        client.read_to_end(&mut got).await.expect("read");
+        assert_eq!(got, b"head");
     }
 
     #[tokio::test]

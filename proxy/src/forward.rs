@@ -707,7 +707,7 @@ impl Headroom {
             .await
             .is_err()
         {
-            return self.client_gone(&backend);
+            return self.client_gone(session, &backend);
         }
         ctx.response_started = true;
         // A usage chunk the proxy asked for is cut out again; a response with a fixed length is
@@ -732,10 +732,10 @@ impl Headroom {
             return ended;
         }
         if rest.is_some() && session.write_response_body(rest, false).await.is_err() {
-            return self.client_gone(&backend);
+            return self.client_gone(session, &backend);
         }
         if session.write_response_body(None, true).await.is_err() {
-            return self.client_gone(&backend);
+            return self.client_gone(session, &backend);
         }
         if !is_sse && ctx.status == 200 {
             // A whole (non-streamed) answer: its tokens reached the client now.
@@ -804,7 +804,7 @@ impl Headroom {
                                 None => session.write_response_body(Some(bytes), false).await.is_ok(),
                             };
                             if !written {
-                                return self.client_gone(&backend);
+                                return self.client_gone(session, &backend);
                             }
                         }
                         // Output instants are when the client's connection got the bytes.
@@ -829,13 +829,19 @@ impl Headroom {
                     silence.as_mut().reset(deadline);
                 }
                 _ = session.as_downstream_mut().read_body_or_idle(true) => {
-                    return self.client_gone(&backend);
+                    return self.client_gone(session, &backend);
                 }
             }
         }
     }
 
-    fn client_gone(&self, backend: &Backend) -> Ended {
+    /// The client went away or stopped taking bytes in the middle of a response: the connection
+    /// ends as it is (pingora would end the body cleanly after a cut chunk, or wait on a client
+    /// that takes nothing).
+    fn client_gone(&self, session: &Session, backend: &Backend) -> Ended {
+        if let Some(conn) = crate::app::client_conn(session) {
+            conn.abort();
+        }
         self.metrics
             .client_aborts
             .with_label_values(&[&backend.name])
@@ -873,8 +879,12 @@ impl Headroom {
             let _ = session.write_response_body(Some(buf.into()), false).await;
             let _ = session.write_response_body(None, true).await;
         } else {
-            // Without SSE framing the only honest signal is an abrupt close.
+            // Without SSE framing the only honest signal is an abrupt close: no last chunk that
+            // would make the cut body look whole.
             session.as_downstream_mut().set_keepalive(None);
+            if let Some(conn) = crate::app::client_conn(session) {
+                conn.abort();
+            }
         }
         Ended::UpstreamCut
     }

@@ -538,3 +538,21 @@ async fn an_answer_ended_by_closing_reaches_the_client_framed() {
         assert!(r.contains("data: [DONE]"), "{r}");
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_json_body_the_engine_cuts_reaches_the_client_cut() {
+    // Half a JSON answer, chunked, then the engine closes its connection.
+    let url = raw_engine(
+        "HTTP/1.1 200 OK\r\ncontent-type: application/json\r\ntransfer-encoding: chunked\r\n\r\n\
+         10\r\n{\"id\":\"cmpl-1\",\"\r\n",
+        true,
+    )
+    .await;
+    let h = proxy(&url, |_| {}).await;
+    let (r, closed) = exchange(&h, &keepalive_request("", BODY)).await;
+    assert!(closed, "the connection ends: {r:?}");
+    assert_eq!(status(&r), 200, "{r}");
+    assert!(r.ends_with("10\r\n{\"id\":\"cmpl-1\",\"\r\n"), "{r:?}");
+    // No last chunk: a client sees a cut body, not a whole one.
+    assert!(!r.ends_with("0\r\n\r\n"), "{r:?}");
+}
