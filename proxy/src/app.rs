@@ -383,9 +383,12 @@ impl Headroom {
             model: None,
             max_tokens: None,
         };
-        self.forward(session, ctx, out, &self.passthrough)
-            .await
-            .map(drop)
+        match self.forward(session, ctx, out, &self.passthrough).await? {
+            Ended::ClientGone => ctx.error = Some("client_gone"),
+            Ended::Complete => {}
+            Ended::UpstreamCut => ctx.error = Some("upstream_cut"),
+        }
+        Ok(())
     }
 
     async fn generate(
@@ -494,9 +497,12 @@ impl Headroom {
         let ended = self.forward(session, ctx, out, self.policy.as_ref()).await;
         ctx.prompt = inspected.map(|i| PromptFacts::of(ctx.route, i, session_key, long_body));
         match ended? {
-            Ended::ClientGone => ctx.status = 499,
+            Ended::ClientGone => {
+                ctx.status = 499;
+                ctx.error = Some("client_gone");
+            }
             Ended::Complete => ctx.completed = true,
-            Ended::UpstreamCut => {}
+            Ended::UpstreamCut => ctx.error = Some("upstream_cut"),
         }
         Ok(())
     }

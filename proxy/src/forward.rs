@@ -255,6 +255,17 @@ fn upstream_header(
     Ok(up)
 }
 
+/// How a relayed response is framed, on both sides.
+#[derive(Debug, Clone, Copy)]
+struct Framing {
+    /// An SSE stream, read event by event.
+    sse: bool,
+    /// A chunked body to a plaintext client, whose chunks the relay writes to its socket itself.
+    direct: bool,
+    /// The engine ends it by closing its connection, which says nothing of whether it finished.
+    close_delimited: bool,
+}
+
 /// Whether the response pingora has just started is a chunked body (its last transfer coding
 /// `chunked`, and a body allowed: not `HEAD`, 204 or 304), whose chunks the relay may frame itself.
 fn chunked_body(session: &Session, status: http::StatusCode, te_chunked: bool) -> bool {
@@ -675,6 +686,9 @@ impl Headroom {
                 .and_then(|v| v.to_str().ok())
                 .is_some_and(headroom_workload::sse::is_event_stream);
         let has_length = resp.headers.contains_key(header::CONTENT_LENGTH);
+        // An engine that ends its answer by closing the connection: its close is no proof of a
+        // finished answer.
+        let close_delimited = !has_length && !resp.headers.contains_key(header::TRANSFER_ENCODING);
         if has_length {
             // Framed by its length, whoever the client is.
         } else if session.req_header().version == http::Version::HTTP_10 {
@@ -723,7 +737,12 @@ impl Headroom {
         let ended = if end_now {
             Ended::Complete
         } else {
-            self.pump(session, &mut up, &mut meter, guard, is_sse, direct)
+            let framing = Framing {
+                sse: is_sse,
+                direct,
+                close_delimited,
+            };
+            self.pump(session, &mut up, &mut meter, guard, framing)
                 .await
         };
         let rest = meter.finish(std::time::Instant::now(), matches!(ended, Ended::Complete));
@@ -756,9 +775,13 @@ impl Headroom {
         up: &mut UpstreamSession,
         meter: &mut ResponseMeter,
         guard: &mut InFlight,
-        is_sse: bool,
-        direct: bool,
+        framing: Framing,
     ) -> Ended {
+        let Framing {
+            sse: is_sse,
+            direct,
+            close_delimited,
+        } = framing;
         let backend = guard.backend().clone();
         let write_timeout = Duration::from_millis(self.cfg.timeouts.client_write_ms);
         // Engines send the header at once and the first chunk after queueing and prefill, so the
@@ -815,7 +838,7 @@ impl Headroom {
                             return Ended::Complete;
                         }
                     }
-                    Ok(None) if meter.broken_off() => {
+                    Ok(None) if meter.broken_off() || (close_delimited && meter.unfinished()) => {
                         return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await;
                     }
                     Ok(None) => return Ended::Complete,

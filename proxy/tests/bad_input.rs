@@ -556,3 +556,23 @@ async fn a_json_body_the_engine_cuts_reaches_the_client_cut() {
     // No last chunk: a client sees a cut body, not a whole one.
     assert!(!r.ends_with("0\r\n\r\n"), "{r:?}");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_the_engine_closes_between_events_without_an_end_is_a_cut() {
+    // An engine that frames its answer by closing the connection, and closes it after whole
+    // events but before a finish reason or `[DONE]`.
+    let url = raw_engine(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\nconnection: close\r\n\r\n\
+         data: {\"choices\":[{\"index\":0,\"text\":\" one\",\"finish_reason\":null}]}\n\n\
+         data: {\"choices\":[{\"index\":0,\"text\":\" two\",\"finish_reason\":null}]}\n\n",
+        true,
+    )
+    .await;
+    let h = proxy(&url, |_| {}).await;
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":5,"stream":true}"#;
+    let (r, _) = exchange(&h, &request("", body)).await;
+    assert_eq!(status(&r), 200, "{r}");
+    assert!(r.contains(" two"), "{r}");
+    assert!(r.contains("closed the stream before it finished"), "{r}");
+    assert!(!r.contains("[DONE]"), "{r}");
+}

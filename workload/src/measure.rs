@@ -609,11 +609,16 @@ impl ResponseMeter {
     /// that frames its answer by closing the connection was cut off, not finished. (Whole lines
     /// of a last event without its blank line are an engine's sloppy ending, not a cut.)
     pub fn broken_off(&self) -> bool {
-        self.sse.is_some()
-            && !self.done
-            && self.finish_reason.is_none()
+        self.unfinished()
             && self.held.iter().any(|b| !b.is_ascii_whitespace())
             && !matches!(self.held.last(), Some(b'\n' | b'\r'))
+    }
+
+    /// A stream that has neither said `[DONE]` nor given a finish reason: when the engine framed
+    /// it by closing the connection, its close cannot say whether it finished, and this says it
+    /// did not (an OpenAI-compatible stream ends with one or the other).
+    pub fn unfinished(&self) -> bool {
+        self.sse.is_some() && !self.done && self.finish_reason.is_none()
     }
 
     /// Bytes held for an event not finished yet (its line and data so far): bounded by the
