@@ -144,8 +144,8 @@ impl ClientConn {
 
     /// Writes one chunk of a chunked response body (its size line, `data` and the line end) to a
     /// plaintext client, straight to the socket. `None` for any other connection (write through
-    /// pingora). A client that takes none of it for `timeout` fails the write; one that keeps
-    /// taking bytes, however slowly, does not.
+    /// pingora). A client that has not taken the chunk within `timeout` of the socket filling up
+    /// fails the write, as pingora bounds its own writes.
     ///
     /// Only between a response header pingora wrote (chunked) and the end pingora writes: nothing
     /// else writes to the connection meanwhile, and nothing is buffered above the socket.
@@ -165,41 +165,30 @@ impl ClientConn {
             std::io::IoSlice::new(b"\r\n"),
         ];
         let mut left: &mut [std::io::IoSlice<'_>] = &mut parts;
-        // The bound is on a client taking nothing: every write that moves bytes restarts it.
-        let mut deadline = tokio::time::Instant::now() + timeout;
+        // The client must take the whole chunk within `timeout` of the first write that finds
+        // its socket full (a token stream's chunk is small: only a client that stopped reading
+        // misses it). The socket reads as writable again only once about a third of its buffer
+        // has drained, as it does for pingora's writes and nginx's.
+        let mut deadline = None;
         while !left.is_empty() {
             if self.is_aborted() {
                 return Some(Err(aborted()));
             }
             match plain.tcp.try_write_vectored(left) {
                 Ok(0) => return Some(Err(std::io::ErrorKind::WriteZero.into())),
-                Ok(n) => {
-                    std::io::IoSlice::advance_slices(&mut left, n);
-                    deadline = tokio::time::Instant::now() + timeout;
-                }
+                Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
                 Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    match tokio::time::timeout_at(deadline, plain.tcp.writable()).await {
+                    let until =
+                        *deadline.get_or_insert_with(|| tokio::time::Instant::now() + timeout);
+                    match tokio::time::timeout_at(until, plain.tcp.writable()).await {
                         Ok(Ok(())) => {}
                         Ok(Err(e)) => return Some(Err(e)),
-                        // The socket reads as writable again only once about a third of its
-                        // buffer has drained: a client that took less than that took something.
-                        // One write past the deadline tells (tokio would not try it before the
-                        // socket reads as writable).
-                        Err(_) => match socket2::SockRef::from(&plain.tcp).send_vectored(left) {
-                            Ok(n) if n > 0 => {
-                                std::io::IoSlice::advance_slices(&mut left, n);
-                                deadline = tokio::time::Instant::now() + timeout;
-                            }
-                            Err(e) if e.kind() != std::io::ErrorKind::WouldBlock => {
-                                return Some(Err(e));
-                            }
-                            _ => {
-                                return Some(Err(std::io::Error::new(
-                                    std::io::ErrorKind::TimedOut,
-                                    "the client took no bytes within timeouts.client_write_ms",
-                                )));
-                            }
-                        },
+                        Err(_) => {
+                            return Some(Err(std::io::Error::new(
+                                std::io::ErrorKind::TimedOut,
+                                "the client did not take a chunk within timeouts.client_write_ms",
+                            )));
+                        }
                     }
                 }
                 Err(e) => return Some(Err(e)),
