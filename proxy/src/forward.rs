@@ -472,11 +472,6 @@ impl Headroom {
                 }
             };
             let backend = self.fleet.backends[pick.backend].clone();
-            // Every attempt's replica is told: a retry's replica is the one that gets the prompt
-            // when the first never did (a failed connect), so its history must say so.
-            if out.record {
-                policy.record(&out.route, &pick);
-            }
             if attempt == 0 && out.record {
                 self.metrics
                     .routed_prompt_tokens
@@ -504,6 +499,14 @@ impl Headroom {
                     &out.body,
                     &ctx.request_id,
                     self.headers.strips_authorization(ctx.keys.is_some()),
+                    // The replica is told once it has the prompt: every attempt that sent it (a
+                    // retry's replica gets the prompt when the first never did), and none that
+                    // could not connect.
+                    || {
+                        if out.record {
+                            policy.record(&out.route, &pick);
+                        }
+                    },
                 )
                 .await
             {
@@ -576,6 +579,7 @@ impl Headroom {
         body: &Bytes,
         request_id: &str,
         strip_authorization: bool,
+        on_sent: impl FnOnce(),
     ) -> Attempt {
         let header = match upstream_header(
             session,
@@ -617,6 +621,7 @@ impl Headroom {
             up.finish_request_body()
                 .await
                 .map_err(|e| classify(&e, "sending body"))?;
+            on_sent();
             let first_byte = Duration::from_millis(t.first_byte_ms);
             let deadline = tokio::time::Instant::now() + first_byte;
             loop {

@@ -365,6 +365,14 @@ async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_
                     && !l.ends_with(" 0")),
                 "no request met the dead replica first"
             );
+            // The dead replica never got a prompt: none is in its history.
+            let name = p.fleet().backends[0].name.clone();
+            let line = format!("headroom_prefix_index_blocks{{backend=\"{name}\"}} ");
+            let dead_blocks: f64 = m
+                .lines()
+                .find_map(|l| l.strip_prefix(&line).and_then(|v| v.parse().ok()))
+                .unwrap_or(0.0);
+            assert_eq!(dead_blocks, 0.0, "the dead replica's history");
         }
     }
     assert!(blocks[0] > 0.0, "{blocks:?}");
