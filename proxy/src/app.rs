@@ -383,11 +383,10 @@ impl Headroom {
             model: None,
             max_tokens: None,
         };
-        match self.forward(session, ctx, out, &self.passthrough).await? {
-            Ended::ClientGone => ctx.error = Some("client_gone"),
-            Ended::Complete => {}
-            Ended::UpstreamCut => ctx.error = Some("upstream_cut"),
-        }
+        ctx.error = self
+            .forward(session, ctx, out, &self.passthrough)
+            .await?
+            .reason();
         Ok(())
     }
 
@@ -496,13 +495,12 @@ impl Headroom {
         };
         let ended = self.forward(session, ctx, out, self.policy.as_ref()).await;
         ctx.prompt = inspected.map(|i| PromptFacts::of(ctx.route, i, session_key, long_body));
-        match ended? {
-            Ended::ClientGone => {
-                ctx.status = 499;
-                ctx.error = Some("client_gone");
-            }
+        let ended = ended?;
+        ctx.error = ended.reason();
+        match ended {
+            Ended::ClientGone => ctx.status = 499,
             Ended::Complete => ctx.completed = true,
-            Ended::UpstreamCut => ctx.error = Some("upstream_cut"),
+            Ended::UpstreamCut => {}
         }
         Ok(())
     }

@@ -104,6 +104,17 @@ pub enum Ended {
     UpstreamCut,
 }
 
+impl Ended {
+    /// The reason the access log gives for a response that did not end whole.
+    pub fn reason(&self) -> Option<&'static str> {
+        match self {
+            Ended::Complete => None,
+            Ended::ClientGone => Some("client_gone"),
+            Ended::UpstreamCut => Some("upstream_cut"),
+        }
+    }
+}
+
 /// What to forward.
 #[derive(Debug)]
 pub struct Outgoing<'a> {
@@ -266,12 +277,43 @@ struct Framing {
     close_delimited: bool,
 }
 
-/// Whether the response pingora has just started is a chunked body (its last transfer coding
-/// `chunked`, and a body allowed: not `HEAD`, 204 or 304), whose chunks the relay may frame itself.
-fn chunked_body(session: &Session, status: http::StatusCode, te_chunked: bool) -> bool {
-    te_chunked
-        && !matches!(status.as_u16(), 100..=199 | 204 | 304)
+/// Whether `resp`, about to be written, has a chunked body (its last transfer coding `chunked`,
+/// and a body allowed: not `HEAD`, 204 or 304), whose chunks the relay may frame itself.
+fn chunked_body(session: &Session, resp: &ResponseHeader) -> bool {
+    resp.headers
+        .get_all(header::TRANSFER_ENCODING)
+        .iter()
+        .next_back()
+        .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"chunked"))
+        && !matches!(resp.status.as_u16(), 100..=199 | 204 | 304)
         && session.req_header().method != http::Method::HEAD
+}
+
+/// Ends the client's connection where it stands (see [`ClientConn::abort`]).
+///
+/// [`ClientConn::abort`]: crate::client_conn::ClientConn::abort
+fn end_client_connection(session: &Session) {
+    if let Some(conn) = crate::app::client_conn(session) {
+        conn.abort();
+    }
+}
+
+/// Passes one chunk on to the client: a chunked body's straight to a plaintext client's socket
+/// (`direct`), anything else through pingora. False when the client is gone or took nothing.
+async fn send_chunk(session: &mut Session, bytes: Bytes, direct: bool, timeout: Duration) -> bool {
+    if direct {
+        let written = match crate::app::client_conn(session) {
+            Some(conn) => conn.write_chunk(&bytes, timeout).await,
+            None => None,
+        };
+        if let Some(written) = written {
+            return written.is_ok();
+        }
+    }
+    session
+        .write_response_body(Some(bytes), false)
+        .await
+        .is_ok()
 }
 
 fn classify(e: &pingora::Error, stage: &str) -> ProxyError {
@@ -714,13 +756,9 @@ impl Headroom {
         // answered in (RFC 9110 §6.2).
         resp.set_version(http::Version::HTTP_11);
         let end_now = up.response_done();
-        let resp_status = resp.status;
-        let resp_te_chunked = resp
-            .headers
-            .get_all(header::TRANSFER_ENCODING)
-            .iter()
-            .next_back()
-            .is_some_and(|v| v.as_bytes().eq_ignore_ascii_case(b"chunked"));
+        // A chunked body goes to a plaintext client straight to its socket, chunk by chunk
+        // (pingora writes the header and the last chunk).
+        let direct = chunked_body(session, &resp);
         if session
             .write_response_header(Box::new(resp), false)
             .await
@@ -736,9 +774,6 @@ impl Headroom {
         if ctx.mirror.as_ref().is_some_and(|m| m.wants_digest()) {
             meter = meter.with_digest();
         }
-        // A chunked body goes to a plaintext client straight to its socket, chunk by chunk
-        // (pingora wrote the header and writes the last chunk).
-        let direct = chunked_body(session, resp_status, resp_te_chunked);
         let ended = if end_now {
             Ended::Complete
         } else {
@@ -823,15 +858,7 @@ impl Headroom {
                             guard.first_output();
                         }
                         if let Some(bytes) = passed.forward {
-                            let written = match crate::app::client_conn(session) {
-                                Some(conn) if direct => conn.write_chunk(&bytes, write_timeout).await,
-                                _ => None,
-                            };
-                            let written = match written {
-                                Some(r) => r.is_ok(),
-                                None => session.write_response_body(Some(bytes), false).await.is_ok(),
-                            };
-                            if !written {
+                            if !send_chunk(session, bytes, direct, write_timeout).await {
                                 return self.client_gone(session, &backend);
                             }
                         }
@@ -867,9 +894,7 @@ impl Headroom {
     /// ends as it is (pingora would end the body cleanly after a cut chunk, or wait on a client
     /// that takes nothing).
     fn client_gone(&self, session: &Session, backend: &Backend) -> Ended {
-        if let Some(conn) = crate::app::client_conn(session) {
-            conn.abort();
-        }
+        end_client_connection(session);
         self.metrics
             .client_aborts
             .with_label_values(&[&backend.name])
@@ -910,9 +935,7 @@ impl Headroom {
             // Without SSE framing the only honest signal is an abrupt close: no last chunk that
             // would make the cut body look whole.
             session.as_downstream_mut().set_keepalive(None);
-            if let Some(conn) = crate::app::client_conn(session) {
-                conn.abort();
-            }
+            end_client_connection(session);
         }
         Ended::UpstreamCut
     }

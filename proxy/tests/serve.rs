@@ -63,6 +63,21 @@ fn words(n: usize, salt: &str) -> String {
     (0..n).map(|i| format!(" {salt}{}", i % 101)).collect()
 }
 
+/// The URL of a port nobody listens on: connections to it are refused.
+fn refused_url() -> String {
+    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    format!("http://{}", l.local_addr().unwrap())
+}
+
+/// Blocks in `backend`'s prefix history, from a proxy's metrics (0 when it has none).
+fn index_blocks(exposition: &str, backend: &str) -> f64 {
+    let n = common::metric(
+        exposition,
+        &format!("headroom_prefix_index_blocks{{backend=\"{backend}\"}}"),
+    );
+    if n.is_nan() { 0.0 } else { n }
+}
+
 async fn engine(url: &str) -> EngineGauges {
     EngineGauges::parse(&common::get_text(&format!("{url}/metrics")).await)
 }
@@ -225,11 +240,7 @@ async fn client_disconnect_cancels_the_upstream_request() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_or_failing_replica_is_avoided() {
     let live = sim(&[]).await;
-    // A port nobody listens on: connections are refused.
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", l.local_addr().unwrap())
-    };
+    let dead = refused_url();
     let p = proxy(&[dead, live.url()], "round_robin", |c| {
         c.health.interval_ms = 60_000; // passive ejection alone must do it
         c.health.eject_after = 2;
@@ -286,10 +297,7 @@ async fn a_dead_or_failing_replica_is_avoided() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_waits_for_a_replica_to_pass_a_probe() {
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", l.local_addr().unwrap())
-    };
+    let dead = refused_url();
     // Probes far apart: the replica is presumed healthy for a long time, but never shown to be.
     let p = proxy(&[dead], "round_robin", |c| {
         c.health.interval_ms = 60_000;
@@ -323,10 +331,7 @@ async fn readiness_waits_for_a_replica_to_pass_a_probe() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_got_it() {
     let live = sim(&[]).await;
-    let dead = {
-        let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        format!("http://{}", l.local_addr().unwrap())
-    };
+    let dead = refused_url();
     let tune = |c: &mut ServeConfig| {
         c.health.interval_ms = 60_000;
         c.health.eject_after = 1000;
@@ -352,13 +357,7 @@ async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_
             resp.bytes().await.unwrap();
         }
         let m = common::get_text(&format!("http://{}/metrics", p.admin_addr)).await;
-        let name = p.fleet().backends.last().unwrap().name.clone();
-        let line = format!("headroom_prefix_index_blocks{{backend=\"{name}\"}} ");
-        let n: f64 = m
-            .lines()
-            .find_map(|l| l.strip_prefix(&line).and_then(|v| v.parse().ok()))
-            .unwrap_or(0.0);
-        blocks.push(n);
+        blocks.push(index_blocks(&m, &p.fleet().backends.last().unwrap().name));
         if std::ptr::eq(p, &both) {
             assert!(
                 m.lines().any(|l| l.starts_with("headroom_upstream_retries_total")
@@ -366,12 +365,7 @@ async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_
                 "no request met the dead replica first"
             );
             // The dead replica never got a prompt: none is in its history.
-            let name = p.fleet().backends[0].name.clone();
-            let line = format!("headroom_prefix_index_blocks{{backend=\"{name}\"}} ");
-            let dead_blocks: f64 = m
-                .lines()
-                .find_map(|l| l.strip_prefix(&line).and_then(|v| v.parse().ok()))
-                .unwrap_or(0.0);
+            let dead_blocks = index_blocks(&m, &p.fleet().backends[0].name);
             assert_eq!(dead_blocks, 0.0, "the dead replica's history");
         }
     }
