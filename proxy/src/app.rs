@@ -44,8 +44,10 @@ pub struct Headroom {
     pub passthrough: LeastLoad,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Pooled upstream connections.
+    /// Pooled upstream connections to replicas reached over TLS.
     pub connector: Connector,
+    /// Pooled upstream connections to plaintext replicas.
+    pub h1_pool: Arc<crate::upstreams::h1::Pool>,
     /// The config it was built from.
     pub cfg: Arc<ServeConfig>,
     /// Prompt hashing settings.

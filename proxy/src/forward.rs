@@ -12,6 +12,7 @@ use headroom_workload::measure::ResponseMeter;
 use http::header;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession as UpstreamSession;
+use pingora::protocols::http::v1::client::http_req_header_to_wire;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
@@ -19,7 +20,7 @@ use crate::admission::{Ask, Pick as AdmissionPick, Refusal, Room};
 use crate::app::{Headroom, RequestCtx};
 use crate::error::{ErrorKind, ProxyError};
 use crate::routing::{BackendView, RouteRequest, RoutingPolicy};
-use crate::upstreams::{Backend, InFlight};
+use crate::upstreams::{Backend, InFlight, h1};
 
 /// Request headers never forwarded: the ones that belong to one connection (RFC 9110 §7.6.1),
 /// the ones the proxy sets itself, and `accept-encoding`, since the proxy reads every response it
@@ -333,9 +334,36 @@ fn classify(e: &pingora::Error, stage: &str) -> ProxyError {
 
 /// An upstream exchange that has its response header.
 struct Started {
-    up: UpstreamSession,
-    peer: HttpPeer,
+    up: Upstream,
     resp: ResponseHeader,
+}
+
+/// The connection a response body comes over: headroom's own for a plaintext replica, pingora's
+/// for one reached over TLS.
+enum Upstream {
+    Plain(h1::Body),
+    Pingora {
+        session: Box<UpstreamSession>,
+        peer: Box<HttpPeer>,
+    },
+}
+
+impl Upstream {
+    /// The next piece of the body, None at its end; an error is a cut.
+    async fn read_body(&mut self) -> Result<Option<Bytes>, ()> {
+        match self {
+            Upstream::Plain(body) => body.next().await.map_err(drop),
+            Upstream::Pingora { session, .. } => session.read_response_body().await.map_err(drop),
+        }
+    }
+
+    /// Whether the body has been read to its end.
+    fn done(&mut self) -> bool {
+        match self {
+            Upstream::Plain(body) => body.done(),
+            Upstream::Pingora { session, .. } => session.response_done(),
+        }
+    }
 }
 
 enum Attempt {
@@ -641,14 +669,31 @@ impl Headroom {
             ));
         };
         let t = &self.cfg.timeouts;
-        // The SNI is also the name the certificate is verified against (never empty for TLS:
-        // pingora skips verification without one).
-        let mut peer = match &backend.tls_host {
-            Some(host) => HttpPeer::new(addr, true, host.clone()),
-            None => HttpPeer::new(addr, false, String::new()),
-        };
-        peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
         let send = async {
+            let Some(tls_host) = &backend.tls_host else {
+                let Some(head) = http_req_header_to_wire(&header) else {
+                    return Err(ProxyError::new(
+                        ErrorKind::BadRequest,
+                        "the request target holds a byte HTTP/1.1 forbids there",
+                    ));
+                };
+                let limits = h1::Limits {
+                    connect: Duration::from_millis(t.connect_ms),
+                    first_byte: Duration::from_millis(t.first_byte_ms),
+                };
+                let req = h1::Request {
+                    head: &head,
+                    body,
+                    head_only: header.method == http::Method::HEAD,
+                };
+                let (resp, body) =
+                    h1::exchange(&self.h1_pool, addr, &backend.name, req, limits, on_sent).await?;
+                return Ok((Upstream::Plain(body), resp));
+            };
+            // The SNI is also the name the certificate is verified against (never empty for
+            // TLS: pingora skips verification without one).
+            let mut peer = HttpPeer::new(addr, true, tls_host.clone());
+            peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
             let (mut up, _reused) = self
                 .connector
                 .get_http_session(&peer)
@@ -687,6 +732,10 @@ impl Headroom {
                         if resp.status.is_informational() {
                             continue;
                         }
+                        let up = Upstream::Pingora {
+                            session: Box::new(up),
+                            peer: Box::new(peer),
+                        };
                         return Ok((up, resp));
                     }
                 }
@@ -694,7 +743,7 @@ impl Headroom {
         };
         tokio::select! {
             r = send => match r {
-                Ok((up, resp)) => Attempt::Started(Box::new(Started { up, peer, resp })),
+                Ok((up, resp)) => Attempt::Started(Box::new(Started { up, resp })),
                 Err(e) => Attempt::Failed(e),
             },
             _ = session.as_downstream_mut().read_body_or_idle(true) => Attempt::ClientGone,
@@ -709,11 +758,7 @@ impl Headroom {
         started: Box<Started>,
         guard: &mut InFlight,
     ) -> Ended {
-        let Started {
-            mut up,
-            peer,
-            mut resp,
-        } = *started;
+        let Started { mut up, mut resp } = *started;
         let backend = guard.backend().clone();
         for h in ["connection", "keep-alive", "proxy-connection"] {
             resp.remove_header(h);
@@ -755,7 +800,7 @@ impl Headroom {
         // The client speaks with this proxy, an HTTP/1.1 server, whatever version the engine
         // answered in (RFC 9110 §6.2).
         resp.set_version(http::Version::HTTP_11);
-        let end_now = up.response_done();
+        let end_now = up.done();
         // A chunked body goes to a plaintext client straight to its socket, chunk by chunk
         // (pingora writes the header and the last chunk).
         let direct = chunked_body(session, &resp);
@@ -801,9 +846,14 @@ impl Headroom {
             guard.first_output();
         }
         let pool_idle = Duration::from_millis(self.cfg.timeouts.pool_idle_ms);
-        self.connector
-            .release_http_session(up, &peer, Some(pool_idle))
-            .await;
+        match up {
+            Upstream::Plain(body) => body.release(&self.h1_pool, pool_idle),
+            Upstream::Pingora { session, peer } => {
+                self.connector
+                    .release_http_session(*session, &*peer, Some(pool_idle))
+                    .await;
+            }
+        }
         Ended::Complete
     }
 
@@ -812,7 +862,7 @@ impl Headroom {
     async fn pump(
         &self,
         session: &mut Session,
-        up: &mut UpstreamSession,
+        up: &mut Upstream,
         meter: &mut ResponseMeter,
         guard: &mut InFlight,
         framing: Framing,
@@ -839,7 +889,7 @@ impl Headroom {
                 // The replica first: an end of stream that is already there wins over a client
                 // that hung up after reading it.
                 biased;
-                r = up.read_response_body() => match r {
+                r = up.read_body() => match r {
                     Ok(Some(chunk)) => {
                         last_chunk = tokio::time::Instant::now();
                         if wait != idle {
@@ -864,7 +914,7 @@ impl Headroom {
                         }
                         // Output instants are when the client's connection got the bytes.
                         meter.delivered(std::time::Instant::now());
-                        if up.response_done() {
+                        if up.done() {
                             // The last bytes (a body of known length): the client may have them
                             // and hang up at once, which is a finished request, not a lost one.
                             return Ended::Complete;

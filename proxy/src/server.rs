@@ -697,6 +697,7 @@ impl Generation {
             .map_err(|e| ServeError::Config(e.to_string()))?
             .map(Arc::new);
         let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let h1_pool = Arc::new(crate::upstreams::h1::Pool::default());
         let headroom = Headroom {
             lifecycle: shared.lifecycle.clone(),
             retired: retired.clone(),
@@ -709,6 +710,7 @@ impl Generation {
             passthrough: LeastLoad,
             metrics: metrics.clone(),
             connector,
+            h1_pool: h1_pool.clone(),
             cfg: cfg.clone(),
             inspect,
             inspect_slots: Arc::new(tokio::sync::Semaphore::new(
@@ -740,6 +742,7 @@ impl Generation {
         let (stop, stop_rx) = watch::channel(false);
         let scrapes_held = Arc::new(std::sync::RwLock::new(false));
         let mut tasks = Vec::new();
+        tasks.push(tokio::spawn(sweep_loop(h1_pool, stop_rx.clone())));
         if let Some(index) = &kv_index {
             for (id, b) in cfg.backends.iter().enumerate() {
                 let Some(endpoint) = &b.kv_events else {
@@ -943,6 +946,17 @@ impl FirstHeader {
                 self.closed.inc();
                 false
             }
+        }
+    }
+}
+
+/// Closes idle upstream connections past their idle time, once a second, until `stop`.
+async fn sweep_loop(pool: Arc<crate::upstreams::h1::Pool>, mut stop: watch::Receiver<bool>) {
+    let mut tick = tokio::time::interval(Duration::from_secs(1));
+    loop {
+        tokio::select! {
+            _ = tick.tick() => pool.sweep(),
+            _ = stop.changed() => return,
         }
     }
 }

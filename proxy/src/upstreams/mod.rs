@@ -8,6 +8,7 @@
 //! than `max_ejected_fraction` of the fleet. Routing sees a replica as healthy when both agree.
 
 pub mod cold_start;
+pub mod h1;
 pub mod health;
 pub mod kv_events;
 pub mod peers;
