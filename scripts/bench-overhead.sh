@@ -19,6 +19,10 @@
 #                                                # every thread) and split its CPU per chunk into user
 #                                                # space and the kernel by system call; the samples stay
 #                                                # in OUT/<proxy>-<round>/perf.data for perf report
+#   MIX=1 scripts/bench-overhead.sh              # also ROUNDS rounds with the three paths in turn,
+#                                                # request by request, MIX_RATE (3 × RATE) req/s in
+#                                                # all: added TTFT against direct requests of the
+#                                                # same moments, free of drift between rounds
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -77,7 +81,10 @@ fi
 # which the proxy must read and hash whole.
 export LONG_EVERY=${LONG_EVERY:-0}
 export LONG_TOKENS=${LONG_TOKENS:-100000}
-stream_trace "$OUT/trace.jsonl" "$((RATE * DURATION + RATE))" "$TOKENS" "$LONG_EVERY" "$LONG_TOKENS"
+export MIX_RATE=${MIX_RATE:-$((3 * RATE))}
+most=$RATE
+[ "${MIX:-0}" = 1 ] && [ "$MIX_RATE" -gt "$most" ] && most=$MIX_RATE
+stream_trace "$OUT/trace.jsonl" "$((most * DURATION + most))" "$TOKENS" "$LONG_EVERY" "$LONG_TOKENS"
 
 start_stream_replica "$MODEL" "$TTFT_MS" "$ITL_MS" "$OUT"
 sim=$replica_url
@@ -188,6 +195,26 @@ for round in $(seq "$ROUNDS"); do
   done
 done
 
+# MIX=1: ROUNDS more rounds in which the three paths take turns request by request (the load
+# generator's targets round-robin: direct, headroom, nginx), MIX_RATE req/s in all (default 3 ×
+# RATE, so each path gets RATE), so that what each proxy adds to TTFT is measured against direct
+# requests of the same moments, free of the drift between rounds. The proxies share their core in
+# these rounds (each one's CPU is still its own, from /proc).
+if [ "${MIX:-0}" = 1 ]; then
+  for round in $(seq "$ROUNDS"); do
+    dir="$OUT/mix-$round"
+    echo "== mixed round $round: direct, headroom and nginx in turn at $MIX_RATE req/s" >&2
+    hb=$(cpu_split_of "$headroom_pid") nb=$(cpu_split_of "$nginx_pid")
+    "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$MIX_RATE" --duration "$DURATION" \
+      --target "$sim,$headroom,$nginx" --seed 7 \
+      --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; direct, headroom, nginx in turn" \
+      --out "$dir" >"$dir.txt" 2>"$dir.log" || true
+    echo "$hb $(cpu_split_of "$headroom_pid")" >"$dir/headroom_cpu"
+    echo "$nb $(cpu_split_of "$nginx_pid")" >"$dir/nginx_cpu"
+    printf '%s\n%s\n%s\n' "$sim" "$headroom" "$nginx" >"$dir/paths"
+  done
+fi
+
 # Where headroom's added time goes: each round's requests joined with its capture by x-request-id
 # (the client's TTFT against the proxy's own, arrival at the proxy to the first output event handed
 # to the client; the difference is the two legs between client and proxy).
@@ -273,6 +300,46 @@ for r in range(1, rounds + 1):
 if gaps:
     lines += ["", "|client TTFT - headroom's own TTFT (from its capture)| per request, each round:", ""]
     lines += [f"- round {i}: {g.split(': ', 1)[-1]}" for i, g in enumerate(gaps, 1)]
+# The mixed rounds (MIX=1): each path's TTFT percentiles over its own turns, each round, and what
+# each proxy adds to the direct turns of the same round.
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    f = int(k)
+    return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f)
+mixed = []
+for r in range(1, rounds + 1):
+    try:
+        d = json.load(open(f"{out}/mix-{r}/result.json"))
+        paths = open(f"{out}/mix-{r}/paths").read().split()
+    except OSError:
+        break
+    by = {name: [x for x in d["requests"] if x["target"].startswith(url + "/") and not x.get("warmup")]
+          for name, url in zip(("direct", "headroom", "nginx"), paths)}
+    ok = {k: [x for x in v if not x.get("error_kind") and x.get("ttft_ms") is not None] for k, v in by.items()}
+    row = {k: (pct([x["ttft_ms"] for x in v], 0.5), pct([x["ttft_ms"] for x in v], 0.99), len(v),
+               len(by[k]) - len(v)) for k, v in ok.items()}
+    cpu = {}
+    for proxy in ("headroom", "nginx"):
+        u0, s0, u1, s1 = map(int, open(f"{out}/mix-{r}/{proxy}_cpu").read().split())
+        chunks = sum((x["completion_tokens"] or 0) + 1 for x in ok[proxy])
+        cpu[proxy] = 1e6 * (u1 + s1 - u0 - s0) / int(sys.argv[3]) / max(chunks, 1)
+    mixed.append((row, cpu, d["summary"]["send_lateness"]["p99_ms"]))
+if mixed:
+    lines += ["", f"Mixed rounds (MIX=1): the three paths in turn, request by request, {os.environ.get('MIX_RATE', '')} req/s in all;",
+              "TTFT percentiles over each path's own requests (linear interpolation), added = proxy − direct",
+              "of the same round:", "",
+              "| round | direct TTFT p50 / p99 ms | headroom added p50 / p99 ms | nginx added p50 / p99 ms | headroom / nginx CPU µs per chunk | requests per path | failed | send lateness p99 ms |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for i, (row, cpu, late) in enumerate(mixed, 1):
+        dp50, dp99 = row["direct"][0], row["direct"][1]
+        add = lambda p: f"{row[p][0] - dp50:+.2f} / {row[p][1] - dp99:+.2f}"
+        lines.append(f"| {i} | {dp50:.2f} / {dp99:.2f} | {add('headroom')} | {add('nginx')} | "
+                     f"{cpu['headroom']:.2f} / {cpu['nginx']:.2f} ({cpu['headroom'] / max(cpu['nginx'], 1e-9):.2f}×) | "
+                     f"{row['direct'][2]}, {row['headroom'][2]}, {row['nginx'][2]} | "
+                     f"{row['direct'][3] + row['headroom'][3] + row['nginx'][3]} | {late:.2f} |")
 # System calls per relayed chunk by kind (SYSCALLS=1): perf stat's CSV rows are count,unit,event,...
 def syscalls(config):
     counts = {}

@@ -697,7 +697,9 @@ impl Generation {
             .map_err(|e| ServeError::Config(e.to_string()))?
             .map(Arc::new);
         let retired = Arc::new(std::sync::atomic::AtomicBool::new(false));
-        let h1_pool = Arc::new(crate::upstreams::h1::Pool::default());
+        let h1_pool = Arc::new(crate::upstreams::h1::Pool::new(
+            metrics.upstream_stale_connections.clone(),
+        ));
         let headroom = Headroom {
             lifecycle: shared.lifecycle.clone(),
             retired: retired.clone(),

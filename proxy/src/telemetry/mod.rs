@@ -39,6 +39,9 @@ pub struct Metrics {
     pub retries: IntCounterVec,
     /// Retries not made because the retry budget was spent.
     pub retries_over_budget: IntCounter,
+    /// Pooled connections to plaintext replicas that turned out closed once a request was written
+    /// to them (the request went again on a new connection).
+    pub upstream_stale_connections: IntCounter,
     /// Requests open at the proxy (read, queued, forwarded or being relayed).
     pub open_requests: prometheus::IntGauge,
     /// Connections closed because a request header did not arrive in time.
@@ -331,6 +334,11 @@ impl Metrics {
             retries_over_budget: IntCounter::new(
                 "headroom_retries_over_budget_total",
                 "Retries not made because the retry budget (limits.retry_budget_*) was spent; the failure went to the client.",
+            )
+            .expect("valid metric"),
+            upstream_stale_connections: IntCounter::new(
+                "headroom_upstream_stale_connections_total",
+                "Pooled connections to plaintext replicas found closed by the replica only once a request was written to them; the request went again on a new connection. Many: timeouts.pool_idle_ms outlasts the engines' keep-alive timeout.",
             )
             .expect("valid metric"),
             open_requests: prometheus::IntGauge::new(
@@ -703,6 +711,7 @@ impl Metrics {
             Box::new(m.slow_headers_closed.clone()),
             Box::new(m.open_requests.clone()),
             Box::new(m.retries_over_budget.clone()),
+            Box::new(m.upstream_stale_connections.clone()),
             Box::new(m.uninspectable.clone()),
             Box::new(m.engine_tokens_failed.clone()),
             Box::new(m.routed.clone()),

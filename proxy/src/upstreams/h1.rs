@@ -63,9 +63,11 @@ const MAX_READ_ROOM: usize = 64 * 1024;
 const STALE_WITHIN: Duration = Duration::from_secs(1);
 
 /// Idle connections to the replicas, newest last, by address.
-#[derive(Debug, Default)]
+#[derive(Debug)]
 pub struct Pool {
     idle: Mutex<HashMap<SocketAddr, Vec<Idle>>>,
+    /// Counts pooled connections found closed only once a request was written to them.
+    stale: prometheus::IntCounter,
 }
 
 #[derive(Debug)]
@@ -75,6 +77,14 @@ struct Idle {
 }
 
 impl Pool {
+    /// An empty pool that counts its stale connections in `stale`.
+    pub fn new(stale: prometheus::IntCounter) -> Self {
+        Self {
+            idle: Mutex::default(),
+            stale,
+        }
+    }
+
     /// The newest idle connection to `addr` that is still open and within its idle time.
     fn take(&self, addr: SocketAddr) -> Option<TcpStream> {
         let mut idle = self.idle.lock().expect("pool lock");
@@ -174,7 +184,7 @@ pub async fn exchange(
     };
     if let Some(tcp) = pool.take(addr) {
         match send_and_read_head(tcp, addr, name, req, limits, &mut sent).await {
-            Err(Failure::Stale(_)) => {}
+            Err(Failure::Stale(_)) => pool.stale.inc(),
             Err(Failure::Failed(e)) => return Err(e),
             Ok(answer) => return Ok(answer),
         }
@@ -685,6 +695,10 @@ mod tests {
 
     const GET: &[u8] = b"GET /x HTTP/1.1\r\nhost: r\r\n\r\n";
 
+    fn test_pool() -> Pool {
+        Pool::new(prometheus::IntCounter::new("stale", "stale connections").unwrap())
+    }
+
     fn get() -> Request<'static> {
         Request {
             head: GET,
@@ -707,7 +721,7 @@ mod tests {
             b"HTTP/1.1 200 OK\r\nTransfer-Encoding: chunked\r\nX-Case: Kept\r\n\r\n\
             5;ext=1\r\nhello\r\n6\r\n world\r\n0\r\nTrailer-Field: x\r\n\r\n";
         let (addr, mut requests) = replica(vec![Answer::Send(answer), Answer::Send(answer)]).await;
-        let pool = Pool::default();
+        let pool = test_pool();
         for _ in 0..2 {
             let (header, mut body) = exchange(&pool, addr, "r", get(), LIMITS, || {})
                 .await
@@ -754,7 +768,7 @@ mod tests {
         ];
         for &(answer, head_only, want, reusable) in cases {
             let (addr, _requests) = replica(vec![Answer::SendAndClose(answer)]).await;
-            let pool = Pool::default();
+            let pool = test_pool();
             let (_, mut body) = exchange(
                 &pool,
                 addr,
@@ -800,7 +814,7 @@ mod tests {
         ];
         for &answer in cases {
             let (addr, _requests) = replica(vec![Answer::SendAndClose(answer)]).await;
-            let pool = Pool::default();
+            let pool = test_pool();
             let (_, mut body) = exchange(&pool, addr, "r", get(), LIMITS, || {})
                 .await
                 .unwrap();
@@ -832,7 +846,7 @@ mod tests {
         let answer: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 100\r\n\
             Transfer-Encoding: chunked\r\n\r\n2\r\nok\r\n0\r\n\r\n";
         let (addr, _requests) = replica(vec![Answer::Send(answer)]).await;
-        let (header, mut body) = exchange(&Pool::default(), addr, "r", get(), LIMITS, || {})
+        let (header, mut body) = exchange(&test_pool(), addr, "r", get(), LIMITS, || {})
             .await
             .unwrap();
         assert!(!header.headers.contains_key(header::CONTENT_LENGTH));
@@ -861,7 +875,7 @@ mod tests {
         ];
         for &(answer, why) in cases {
             let (addr, _requests) = replica(vec![Answer::SendAndClose(answer)]).await;
-            let pool = Pool::default();
+            let pool = test_pool();
             let e = exchange(&pool, addr, "r", get(), LIMITS, || {})
                 .await
                 .expect_err("refused");
@@ -875,7 +889,7 @@ mod tests {
         let ok: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
         let (addr, mut requests) =
             replica(vec![Answer::Send(ok), Answer::Close, Answer::Send(ok)]).await;
-        let pool = Pool::default();
+        let pool = test_pool();
         let mut sent = 0;
         let (_, mut body) = exchange(&pool, addr, "r", get(), LIMITS, || sent += 1)
             .await
@@ -889,6 +903,7 @@ mod tests {
             .unwrap();
         assert_eq!(body_of(&mut body).await.unwrap(), b"ok");
         assert_eq!(sent, 2, "on_sent runs once per exchange");
+        assert_eq!(pool.stale.get(), 1);
         for _ in 0..3 {
             assert_eq!(requests.recv().await.unwrap(), GET);
         }
@@ -903,7 +918,7 @@ mod tests {
             Answer::Send(ok),
         ])
         .await;
-        let pool = Pool::default();
+        let pool = test_pool();
         let (_, mut body) = exchange(&pool, addr, "r", get(), LIMITS, || {})
             .await
             .unwrap();
@@ -922,7 +937,7 @@ mod tests {
     async fn a_new_connection_closed_unanswered_is_not_sent_again() {
         let ok: &[u8] = b"HTTP/1.1 200 OK\r\nContent-Length: 2\r\n\r\nok";
         let (addr, mut requests) = replica(vec![Answer::Close, Answer::Send(ok)]).await;
-        let e = exchange(&Pool::default(), addr, "r", get(), LIMITS, || {})
+        let e = exchange(&test_pool(), addr, "r", get(), LIMITS, || {})
             .await
             .expect_err("closed");
         assert_eq!(e.kind, ErrorKind::UpstreamReset);
@@ -939,7 +954,7 @@ mod tests {
     async fn the_pool_hands_out_no_connection_its_replica_closed_or_wrote_on() {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
-        let pool = Pool::default();
+        let pool = test_pool();
         let mut far = Vec::new();
         for _ in 0..3 {
             let tcp = TcpStream::connect(addr).await.unwrap();
@@ -966,7 +981,7 @@ mod tests {
         let addr = listener.local_addr().unwrap();
         drop(listener);
         let mut sent = false;
-        let e = exchange(&Pool::default(), addr, "r", get(), LIMITS, || sent = true)
+        let e = exchange(&test_pool(), addr, "r", get(), LIMITS, || sent = true)
             .await
             .expect_err("refused");
         assert_eq!(e.kind, ErrorKind::UpstreamConnect);
@@ -989,7 +1004,7 @@ mod tests {
             first_byte: Duration::from_millis(200),
             ..LIMITS
         };
-        let e = exchange(&Pool::default(), addr, "r", get(), limits, || {})
+        let e = exchange(&test_pool(), addr, "r", get(), limits, || {})
             .await
             .expect_err("timed out");
         accepted.await.unwrap();
