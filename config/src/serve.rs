@@ -556,7 +556,9 @@ pub struct TimeoutConfig {
     pub first_byte_ms: u64,
     /// Longest silence between two response chunks, after the first.
     pub idle_ms: u64,
-    /// Idle upstream connections are kept this long for reuse.
+    /// Idle upstream connections are kept this long for reuse. The default (4 s) is below vLLM's
+    /// own keep-alive timeout (5 s, `VLLM_HTTP_TIMEOUT_KEEP_ALIVE`), so the proxy lets a connection
+    /// go before the engine closes it as a request goes out; raise both together.
     pub pool_idle_ms: u64,
     /// A client that reads nothing of its response for this long (a full TCP window) is dropped
     /// and its upstream request cancelled.
@@ -578,7 +580,7 @@ impl Default for TimeoutConfig {
             connect_ms: 2_000,
             first_byte_ms: 300_000,
             idle_ms: 60_000,
-            pool_idle_ms: 60_000,
+            pool_idle_ms: 4_000,
             client_write_ms: 30_000,
             header_read_ms: 10_000,
             keepalive_ms: 60_000,
