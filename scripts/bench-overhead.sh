@@ -20,7 +20,7 @@
 #                                                # space and the kernel by system call; the samples stay
 #                                                # in OUT/<proxy>-<round>/perf.data for perf report
 #   MIX=1 scripts/bench-overhead.sh              # also ROUNDS rounds with the three paths in turn,
-#                                                # request by request, MIX_RATE (3 × RATE) req/s in
+#                                                # request by request, MIX_RATE (RATE) req/s in
 #                                                # all: added TTFT against direct requests of the
 #                                                # same moments, free of drift between rounds
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
@@ -81,7 +81,9 @@ fi
 # which the proxy must read and hash whole.
 export LONG_EVERY=${LONG_EVERY:-0}
 export LONG_TOKENS=${LONG_TOKENS:-100000}
-export MIX_RATE=${MIX_RATE:-$((3 * RATE))}
+export MIX_RATE=${MIX_RATE:-$RATE}
+# A mixed round of an earlier run in OUT must not be reported as this run's.
+rm -rf "$OUT"/mix-[0-9]*
 most=$RATE
 [ "${MIX:-0}" = 1 ] && [ "$MIX_RATE" -gt "$most" ] && most=$MIX_RATE
 stream_trace "$OUT/trace.jsonl" "$((most * DURATION + most))" "$TOKENS" "$LONG_EVERY" "$LONG_TOKENS"
@@ -196,8 +198,9 @@ for round in $(seq "$ROUNDS"); do
 done
 
 # MIX=1: ROUNDS more rounds in which the three paths take turns request by request (the load
-# generator's targets round-robin: direct, headroom, nginx), MIX_RATE req/s in all (default 3 ×
-# RATE, so each path gets RATE), so that what each proxy adds to TTFT is measured against direct
+# generator's targets round-robin: direct, headroom, nginx), MIX_RATE req/s in all (default RATE:
+# a third of it per path; 3 × RATE keeps RATE per path where the load generator's core can
+# take it), so that what each proxy adds to TTFT is measured against direct
 # requests of the same moments, free of the drift between rounds. The proxies share their core in
 # these rounds (each one's CPU is still its own, from /proc).
 if [ "${MIX:-0}" = 1 ]; then

@@ -338,7 +338,7 @@ impl Metrics {
             .expect("valid metric"),
             upstream_stale_connections: IntCounter::new(
                 "headroom_upstream_stale_connections_total",
-                "Pooled connections to plaintext replicas found closed by the replica only once a request was written to them; the request went again on a new connection. Many: timeouts.pool_idle_ms outlasts the engines' keep-alive timeout.",
+                "Pooled connections to plaintext replicas that failed within 1 s of a request being written to them, before any byte of an answer (closed by the replica while idle, or the replica died); the request went again on a new connection. A steady rise: timeouts.pool_idle_ms outlasts the engines' keep-alive timeout.",
             )
             .expect("valid metric"),
             open_requests: prometheus::IntGauge::new(

@@ -98,9 +98,12 @@ impl Pool {
         None
     }
 
-    /// Keeps `tcp` for the next request to `addr`, for at most `idle_for`.
-    fn put(&self, addr: SocketAddr, tcp: TcpStream, idle_for: Duration) {
+    /// Keeps `tcp` for the next request to `addr` until `until`.
+    fn put(&self, addr: SocketAddr, tcp: TcpStream, until: Instant) {
         let now = Instant::now();
+        if until <= now {
+            return;
+        }
         let mut idle = self.idle.lock().expect("pool lock");
         let conns = idle.entry(addr).or_default();
         conns.retain(|c| c.until > now);
@@ -108,19 +111,17 @@ impl Pool {
             // The oldest goes: the newest are the likeliest to be open still.
             conns.remove(0);
         }
-        conns.push(Idle {
-            tcp,
-            until: now + idle_for,
-        });
+        conns.push(Idle { tcp, until });
     }
 
     /// Closes the connections past their idle time (and forgets addresses with none left), so a
-    /// quiet proxy does not hold sockets its replicas have long closed.
+    /// quiet proxy does not hold sockets its replicas have long closed. It does not peek at each
+    /// socket (that is [`Pool::take`]'s job): the lock every request takes stays short.
     pub fn sweep(&self) {
         let now = Instant::now();
         let mut idle = self.idle.lock().expect("pool lock");
         idle.retain(|_, conns| {
-            conns.retain(|c| c.until > now && still_open(&c.tcp));
+            conns.retain(|c| c.until > now);
             !conns.is_empty()
         });
     }
@@ -322,6 +323,7 @@ async fn send_and_read_head(
         },
         // A body that ends with the connection leaves none to reuse.
         keep_alive: head.keep_alive && framing != State::UntilClose,
+        last_read: Instant::now(),
     };
     Ok((head.header, body))
 }
@@ -483,6 +485,8 @@ pub struct Body {
     addr: SocketAddr,
     dec: Decoder,
     keep_alive: bool,
+    /// When the replica's last byte so far arrived: its own idle clock runs from about then.
+    last_read: Instant,
 }
 
 impl Body {
@@ -497,6 +501,7 @@ impl Body {
             }
             let room = self.dec.room;
             let n = read_more(&mut self.tcp, &mut self.dec.buf, room).await?;
+            self.last_read = Instant::now();
             if n >= room {
                 self.dec.room = (room * 2).min(MAX_READ_ROOM);
             }
@@ -520,9 +525,11 @@ impl Body {
 
     /// Gives the connection back to `pool` for the next request when it can carry one: the body
     /// read to its end with nothing after it, and the replica not closing it. Otherwise it closes.
+    /// Its idle time counts from the replica's last byte, as the replica's own does, not from now
+    /// (a client slow to take the end of a response would otherwise stretch it).
     pub fn release(self, pool: &Pool, idle_for: Duration) {
         if self.keep_alive && self.dec.state == State::Done && self.dec.buf.is_empty() {
-            pool.put(self.addr, self.tcp, idle_for);
+            pool.put(self.addr, self.tcp, self.last_read + idle_for);
         }
     }
 }
@@ -959,7 +966,7 @@ mod tests {
         for _ in 0..3 {
             let tcp = TcpStream::connect(addr).await.unwrap();
             far.push(listener.accept().await.unwrap().0);
-            pool.put(addr, tcp, Duration::from_secs(60));
+            pool.put(addr, tcp, Instant::now() + Duration::from_secs(60));
         }
         // The newest is closed by the replica, the next gets a stray byte; the oldest is fine.
         let mut newest = far.pop().unwrap();
@@ -970,9 +977,9 @@ mod tests {
         let taken = pool.take(addr).expect("the oldest is open");
         assert_eq!(taken.local_addr().unwrap(), far[0].peer_addr().unwrap());
         assert!(pool.take(addr).is_none());
-        // One past its idle time is not handed out either.
-        pool.put(addr, taken, Duration::ZERO);
-        assert!(pool.take(addr).is_none());
+        // One past its idle time is not kept.
+        pool.put(addr, taken, Instant::now());
+        assert_eq!(pool.idle(), 0);
     }
 
     #[tokio::test]
