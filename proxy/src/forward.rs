@@ -668,76 +668,12 @@ impl Headroom {
                 format!("{}: {} has not resolved", backend.name, backend.authority),
             ));
         };
-        let t = &self.cfg.timeouts;
         let send = async {
-            let Some(tls_host) = &backend.tls_host else {
-                let Some(head) = http_req_header_to_wire(&header) else {
-                    return Err(ProxyError::new(
-                        ErrorKind::BadRequest,
-                        "the request target holds a byte HTTP/1.1 forbids there",
-                    ));
-                };
-                let limits = h1::Limits {
-                    connect: Duration::from_millis(t.connect_ms),
-                    first_byte: Duration::from_millis(t.first_byte_ms),
-                };
-                let req = h1::Request {
-                    head: &head,
-                    body,
-                    head_only: header.method == http::Method::HEAD,
-                };
-                let (resp, body) =
-                    h1::exchange(&self.h1_pool, addr, &backend.name, req, limits, on_sent).await?;
-                return Ok((Upstream::Plain(body), resp));
-            };
-            // The SNI is also the name the certificate is verified against (never empty for
-            // TLS: pingora skips verification without one).
-            let mut peer = HttpPeer::new(addr, true, tls_host.clone());
-            peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
-            let (mut up, _reused) = self
-                .connector
-                .get_http_session(&peer)
-                .await
-                .map_err(|e| classify(&e, "connect"))?;
-            up.write_request_header(Box::new(header))
-                .await
-                .map_err(|e| classify(&e, "sending request"))?;
-            up.write_request_body(body.clone(), true)
-                .await
-                .map_err(|e| classify(&e, "sending body"))?;
-            up.finish_request_body()
-                .await
-                .map_err(|e| classify(&e, "sending body"))?;
-            on_sent();
-            let first_byte = Duration::from_millis(t.first_byte_ms);
-            let deadline = tokio::time::Instant::now() + first_byte;
-            loop {
-                match tokio::time::timeout_at(deadline, up.read_response_header()).await {
-                    Err(_) => {
-                        return Err(ProxyError::new(
-                            ErrorKind::UpstreamTimeout,
-                            format!(
-                                "{} sent no response header within {first_byte:?}",
-                                backend.name
-                            ),
-                        ));
-                    }
-                    Ok(Err(e)) => return Err(classify(&e, "reading response header")),
-                    Ok(Ok(())) => {
-                        let resp = up.response_header().cloned().ok_or_else(|| {
-                            ProxyError::new(ErrorKind::UpstreamReset, "no response header")
-                        })?;
-                        // Interim answers (`100 Continue`, `103 Early Hints`) come before the
-                        // final one and are read past: the client asked for neither.
-                        if resp.status.is_informational() {
-                            continue;
-                        }
-                        let up = Upstream::Pingora {
-                            session: Box::new(up),
-                            peer: Box::new(peer),
-                        };
-                        return Ok((up, resp));
-                    }
+            match &backend.tls_host {
+                None => self.send_plain(backend, addr, header, body, on_sent).await,
+                Some(host) => {
+                    self.send_tls(backend, addr, host, header, body, on_sent)
+                        .await
                 }
             }
         };
@@ -747,6 +683,101 @@ impl Headroom {
                 Err(e) => Attempt::Failed(e),
             },
             _ = session.as_downstream_mut().read_body_or_idle(true) => Attempt::ClientGone,
+        }
+    }
+
+    /// Sends the request to a plaintext replica over headroom's own client and reads its
+    /// response header.
+    async fn send_plain(
+        &self,
+        backend: &Backend,
+        addr: std::net::SocketAddr,
+        header: RequestHeader,
+        body: &Bytes,
+        on_sent: impl FnOnce(),
+    ) -> Result<(Upstream, ResponseHeader), ProxyError> {
+        let Some(head) = http_req_header_to_wire(&header) else {
+            return Err(ProxyError::new(
+                ErrorKind::BadRequest,
+                "the request target holds a byte HTTP/1.1 forbids there",
+            ));
+        };
+        let t = &self.cfg.timeouts;
+        let limits = h1::Limits {
+            connect: Duration::from_millis(t.connect_ms),
+            first_byte: Duration::from_millis(t.first_byte_ms),
+        };
+        let req = h1::Request {
+            head: &head,
+            body,
+            head_only: header.method == http::Method::HEAD,
+        };
+        let (resp, body) =
+            h1::exchange(&self.h1_pool, addr, &backend.name, req, limits, on_sent).await?;
+        Ok((Upstream::Plain(body), resp))
+    }
+
+    /// Sends the request to a replica reached over TLS, through pingora's connector, and reads
+    /// its response header.
+    async fn send_tls(
+        &self,
+        backend: &Backend,
+        addr: std::net::SocketAddr,
+        host: &str,
+        header: RequestHeader,
+        body: &Bytes,
+        on_sent: impl FnOnce(),
+    ) -> Result<(Upstream, ResponseHeader), ProxyError> {
+        let t = &self.cfg.timeouts;
+        // The SNI is also the name the certificate is verified against (never empty for TLS:
+        // pingora skips verification without one).
+        let mut peer = HttpPeer::new(addr, true, host.to_owned());
+        peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
+        let (mut up, _reused) = self
+            .connector
+            .get_http_session(&peer)
+            .await
+            .map_err(|e| classify(&e, "connect"))?;
+        up.write_request_header(Box::new(header))
+            .await
+            .map_err(|e| classify(&e, "sending request"))?;
+        up.write_request_body(body.clone(), true)
+            .await
+            .map_err(|e| classify(&e, "sending body"))?;
+        up.finish_request_body()
+            .await
+            .map_err(|e| classify(&e, "sending body"))?;
+        on_sent();
+        let first_byte = Duration::from_millis(t.first_byte_ms);
+        let deadline = tokio::time::Instant::now() + first_byte;
+        loop {
+            match tokio::time::timeout_at(deadline, up.read_response_header()).await {
+                Err(_) => {
+                    return Err(ProxyError::new(
+                        ErrorKind::UpstreamTimeout,
+                        format!(
+                            "{} sent no response header within {first_byte:?}",
+                            backend.name
+                        ),
+                    ));
+                }
+                Ok(Err(e)) => return Err(classify(&e, "reading response header")),
+                Ok(Ok(())) => {
+                    let resp = up.response_header().cloned().ok_or_else(|| {
+                        ProxyError::new(ErrorKind::UpstreamReset, "no response header")
+                    })?;
+                    // Interim answers (`100 Continue`, `103 Early Hints`) come before the final
+                    // one and are read past: the client asked for neither.
+                    if resp.status.is_informational() {
+                        continue;
+                    }
+                    let up = Upstream::Pingora {
+                        session: Box::new(up),
+                        peer: Box::new(peer),
+                    };
+                    return Ok((up, resp));
+                }
+            }
         }
     }
 

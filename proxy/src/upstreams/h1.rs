@@ -252,7 +252,7 @@ async fn send_and_read_head(
     // Whether any byte of an answer came: after one, a failure is no stale connection.
     let mut answered = false;
     let deadline = written + limits.first_byte;
-    let head = loop {
+    let mut head = loop {
         if let Some(parsed) = parse_head(&buf, name).map_err(Failure::Failed)? {
             buf.advance(parsed.len);
             if parsed.header.status.is_informational() {
@@ -268,8 +268,7 @@ async fn send_and_read_head(
             ))));
         }
         let read = tokio::time::timeout_at(deadline, read_more(&mut tcp, &mut buf, READ_ROOM));
-        let read = read.await;
-        match read {
+        let why = match read.await {
             Err(_) => {
                 return Err(Failure::Failed(ProxyError::new(
                     ErrorKind::UpstreamTimeout,
@@ -279,33 +278,20 @@ async fn send_and_read_head(
                     ),
                 )));
             }
-            Ok(Ok(0)) if !answered && written.elapsed() < STALE_WITHIN => {
-                return Err(Failure::Stale(
-                    "closed the connection before answering".into(),
-                ));
+            Ok(Ok(0)) if answered => "closed the connection in its response header".to_owned(),
+            Ok(Ok(0)) => "closed the connection before answering".to_owned(),
+            Ok(Ok(_)) => {
+                answered = true;
+                continue;
             }
-            Ok(Err(e)) if !answered && written.elapsed() < STALE_WITHIN => {
-                return Err(Failure::Stale(format!("failed before answering: {e}")));
-            }
-            Ok(Ok(0)) if !answered => {
-                return Err(Failure::Failed(reset(format!(
-                    "{name} closed the connection before answering"
-                ))));
-            }
-            Ok(Ok(0)) => {
-                return Err(Failure::Failed(reset(format!(
-                    "{name} closed the connection in its response header"
-                ))));
-            }
-            Ok(Err(e)) => {
-                return Err(Failure::Failed(reset(format!(
-                    "reading response header from {name}: {e}"
-                ))));
-            }
-            Ok(Ok(_)) => answered = true,
+            Ok(Err(e)) if answered => format!("failed in its response header: {e}"),
+            Ok(Err(e)) => format!("failed before answering: {e}"),
+        };
+        if !answered && written.elapsed() < STALE_WITHIN {
+            return Err(Failure::Stale(why));
         }
+        return Err(Failure::Failed(reset(format!("{name} {why}"))));
     };
-    let mut head = head;
     let framing = framing(&head.header, req.head_only)
         .map_err(|why| Failure::Failed(reset(format!("{name} sent {why}"))))?;
     if head.header.headers.contains_key(header::TRANSFER_ENCODING) {
