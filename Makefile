@@ -5,12 +5,14 @@ CARGO ?= cargo
 .PHONY: demo test setup check check-deploy bench guidellm
 
 ## Install system packages a fresh Debian/Ubuntu machine lacks (cmake and a C toolchain build
-## pingora's dependencies). Skipped when already present.
+## pingora's dependencies; python3 runs the benchmark scripts and their tests). Skipped when
+## already present.
 setup:
 	@missing=""; \
 	command -v cmake >/dev/null 2>&1 || missing="$$missing cmake"; \
 	command -v cc >/dev/null 2>&1 || missing="$$missing build-essential"; \
 	command -v pkg-config >/dev/null 2>&1 || missing="$$missing pkg-config"; \
+	command -v python3 >/dev/null 2>&1 || missing="$$missing python3"; \
 	if [ -n "$$missing" ]; then \
 	  echo "installing:$$missing"; \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
@@ -22,9 +24,10 @@ setup:
 demo: setup
 	$(CARGO) run --release --locked -- demo
 
-## The test suite.
+## The test suite, and the tests of the benchmark scripts' own analysis.
 test: setup
 	$(CARGO) test --workspace --locked
+	python3 -m unittest discover -s scripts -p 'test_*.py' -q
 
 ## What CI runs besides the tests.
 check: setup

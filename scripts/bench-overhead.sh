@@ -23,6 +23,14 @@
 #                                                # request by request, MIX_RATE (RATE) req/s in
 #                                                # all: added TTFT against direct requests of the
 #                                                # same moments, free of drift between rounds
+#   WIRE=1 scripts/bench-overhead.sh             # also capture each proxy round's loopback packets
+#                                                # (tcpdump) and read off them what the proxy itself
+#                                                # holds each request and each event, free of the
+#                                                # client's and the replica's wake-ups
+#                                                # (scripts/wire_latency.py); KEEP_PCAP=1 keeps the
+#                                                # captures in OUT/<proxy>-<round>/wire.pcap; with
+#                                                # PIN=1 also what the machine takes from the proxies'
+#                                                # core (scripts/cpu_pauses.py, direct rounds)
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -57,6 +65,12 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
   $SUDO apt-get update -qq && $SUDO apt-get install -y -qq nginx-light >/dev/null
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
+WIRE=${WIRE:-0}
+if [ "$WIRE" = 1 ] && ! command -v tcpdump >/dev/null 2>&1; then
+  echo "installing tcpdump (WIRE=1 captures the proxies' loopback traffic)" >&2
+  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq tcpdump >/dev/null
+fi
 cargo build --release --locked -q
 bin=target/release/headroom
 if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
@@ -66,6 +80,9 @@ fi
 SERVE_BIN=${SERVE_BIN:-$bin}
 
 source scripts/bench-common.sh
+# WIRE=1's packet capture reads on the load cores (pinned), never on the proxy's.
+wire_on=()
+[ "$PIN" = 1 ] && wire_on=(taskset -c "$LOAD_CPUS")
 
 counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
 if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
@@ -177,11 +194,39 @@ for round in $(seq "$ROUNDS"); do
       profiling=$!
       sleep 0.5
     fi
+    wiring=""
+    pausing=""
+    if [ "$WIRE" = 1 ] && [ -z "$watch" ] && [ "$PIN" = 1 ]; then
+      # The proxies' core is idle while direct traffic runs: what the machine itself takes from
+      # it (steal, interrupts) is measured there, the floor under either proxy's tails.
+      taskset -c "$SUT_CPUS" python3 scripts/cpu_pauses.py "$DURATION" --json "$dir-pauses.json" >/dev/null &
+      pausing=$!
+    fi
+    if [ "$WIRE" = 1 ] && [ -n "$watch" ]; then
+      # Packets with a payload only (no bare ACKs), on the load cores: the capture's kernel side
+      # runs in each sender's system call, alike for both proxies; its reader must not take the
+      # proxy's core. -Z root: the file is written where this script writes.
+      proxy_port=${url##*:}
+      "${wire_on[@]}" tcpdump -Z root -i lo -s 0 -B 262144 --time-stamp-precision nano -w "$dir-wire.pcap" \
+        "tcp and (port $proxy_port or port ${sim_hostport##*:}) and (ip[2:2] - ((ip[0]&0xf)<<2) - ((tcp[12]&0xf0)>>2)) != 0" \
+        2>"$dir-wire.log" &
+      wiring=$!
+      wait_line "$dir-wire.log" "listening on"
+    fi
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
       --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
     after=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
+    if [ -n "$pausing" ]; then wait "$pausing" || true; mv "$dir-pauses.json" "$dir/pauses.json"; fi
+    if [ -n "$wiring" ]; then
+      kill -INT "$wiring"; wait "$wiring" || true
+      mv "$dir-wire.pcap" "$dir/wire.pcap"; mv "$dir-wire.log" "$dir/wire.log"
+      dropped=$(sed -n 's/^\([0-9]*\) packets dropped by kernel.*/\1/p' "$dir/wire.log")
+      python3 scripts/wire_latency.py "$dir/wire.pcap" --proxy-port "$proxy_port" --replica-port "${sim_hostport##*:}" \
+        --dropped "${dropped:-0}" --json "$dir/wire.json" >"$dir/wire.txt" 2>&1 || cat "$dir/wire.txt" >&2
+      [ "${KEEP_PCAP:-0}" = 1 ] || rm -f "$dir/wire.pcap"
+    fi
     if [ -n "$profiling" ]; then
       kill -INT "$profiling"; wait "$profiling" || true
       mv "$dir-perf.data" "$dir/perf.data"
@@ -303,6 +348,48 @@ for r in range(1, rounds + 1):
 if gaps:
     lines += ["", "|client TTFT - headroom's own TTFT (from its capture)| per request, each round:", ""]
     lines += [f"- round {i}: {g.split(': ', 1)[-1]}" for i, g in enumerate(gaps, 1)]
+# WIRE=1: what each proxy itself held each request and each event, from its rounds' packet captures.
+wire = {}
+for c in ("headroom", "nginx"):
+    for r in range(1, rounds + 1):
+        try:
+            wire.setdefault(c, []).append(json.load(open(f"{out}/{c}-{r}/wire.json")))
+        except (OSError, ValueError):
+            pass
+if wire:
+    at = lambda rows, k, p: statistics.median(w[k][p] for w in rows if w[k]["n"])
+    lines += ["", "Read off the wire (WIRE=1: each proxy round's loopback packets, stamped by the kernel as each is sent;",
+              "scripts/wire_latency.py): how long the proxy itself held each request (its last byte in from the client",
+              "to its last byte out to the replica) and each SSE event (from the replica to the client), µs, median",
+              "over rounds. The TTFT share is the request's plus the first output event's: what the proxy adds to TTFT",
+              "before any wake-up of the client.", "",
+              "The last column: of the slowest 1% of events, the share whose time in the proxy spans its forwarding",
+              "of some request (its request path ran on the core meanwhile), and that share over all events.", "",
+              "| proxy | request p50 / p99 | first event p50 / p99 | TTFT share p50 / p99 / p99.9 | every event p50 / p99 / p99.9 | events | dropped packets, gaps | slowest 1% / all spanning a forward |",
+              "|---|---:|---:|---:|---:|---:|---:|---:|"]
+    for c, rows in wire.items():
+        lines.append(f"| {c} | {at(rows, 'request_us', 'p50'):.0f} / {at(rows, 'request_us', 'p99'):.0f} | "
+                     f"{at(rows, 'first_event_us', 'p50'):.0f} / {at(rows, 'first_event_us', 'p99'):.0f} | "
+                     f"{at(rows, 'ttft_share_us', 'p50'):.0f} / {at(rows, 'ttft_share_us', 'p99'):.0f} / {at(rows, 'ttft_share_us', 'p999'):.0f} | "
+                     f"{at(rows, 'event_us', 'p50'):.0f} / {at(rows, 'event_us', 'p99'):.0f} / {at(rows, 'event_us', 'p999'):.0f} | "
+                     f"{sum(w['event_us']['n'] for w in rows)} | {sum(w['dropped'] for w in rows)}, {sum(w['broken_flows'] for w in rows)} | "
+                     f"{100 * statistics.median(w['slowest_1pct_spanning_a_forward'] for w in rows):.0f}% / "
+                     f"{100 * statistics.median(w['all_spanning_a_forward'] for w in rows):.1f}% |")
+    pauses = []
+    for r in range(1, rounds + 1):
+        try:
+            pauses.append(json.load(open(f"{out}/direct-{r}/pauses.json")))
+        except (OSError, ValueError):
+            pass
+    if pauses:
+        lines += ["", "What the machine itself took from the proxies' core (scripts/cpu_pauses.py spinning on it during",
+                  "the direct rounds, when no proxy ran there), each round: " + "; ".join(
+                      f"{p['pauses']} pauses over {p['min_us']:.0f} µs ({p['over_500us']} over 0.5 ms, {p['over_1ms']} over 1 ms), "
+                      f"{100 * p['lost_fraction']:.2f}% of the time, longest {p['max_ms']:.2f} ms" for p in pauses)]
+    lines += ["", "Each round, TTFT share p50 / p99 and every event p50 / p99 µs:", ""]
+    for c, rows in wire.items():
+        lines.append(f"- {c}: " + "; ".join(f"{w['ttft_share_us']['p50']:.0f} / {w['ttft_share_us']['p99']:.0f} and "
+                                             f"{w['event_us']['p50']:.0f} / {w['event_us']['p99']:.0f}" for w in rows if w["event_us"]["n"]))
 # The mixed rounds (MIX=1): each path's TTFT percentiles over its own turns, each round, and what
 # each proxy adds to the direct turns of the same round.
 def pct(xs, q):

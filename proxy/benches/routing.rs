@@ -2,7 +2,9 @@
 //! of 8 replicas whose indices hold 20,000 blocks each, half of them sharing the prompt's first 128
 //! blocks; request inspection (parse, render, tokenize, hash) of chat bodies of 4k and 32k
 //! prompt tokens, which the proxy does once per generation request; and the response meter on one
-//! vLLM-shaped token chunk, which runs once per relayed chunk.
+//! vLLM-shaped token chunk, which runs once per relayed chunk; and reading a replica's `/metrics`
+//! (the simulator's vLLM-shaped exposition), which the proxy's workers do once per replica per
+//! scrape interval.
 
 use criterion::{Criterion, criterion_group, criterion_main};
 use headroom_proxy::routing::{
@@ -162,5 +164,23 @@ fn metering(c: &mut Criterion) {
     }
 }
 
-criterion_group!(benches, bench, inspection, metering);
+fn scraping(c: &mut Criterion) {
+    use headroom_sim::metrics::{CacheInfo, Metrics};
+    use headroom_workload::engine_metrics::EngineGauges;
+    let cache = CacheInfo {
+        block_size: 16,
+        num_gpu_blocks: 30_000,
+        gpu_memory_utilization: 0.9,
+        cache_dtype: "auto".into(),
+        enable_prefix_caching: true,
+    };
+    let text = Metrics::new("meta-llama/Llama-3.1-8B-Instruct", false, &cache, 131_072).render();
+    assert!(EngineGauges::parse(&text).kv_capacity_tokens().is_some());
+    c.bench_function(
+        &format!("engine_metrics_parse_{}_kib", text.len() / 1024),
+        |b| b.iter(|| EngineGauges::parse(std::hint::black_box(&text))),
+    );
+}
+
+criterion_group!(benches, bench, inspection, metering, scraping);
 criterion_main!(benches);

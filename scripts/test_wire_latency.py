@@ -1,0 +1,131 @@
+"""Tests of wire_latency.py on captures written here, packet by packet, with known send times."""
+import json
+import os
+import struct
+import subprocess
+import sys
+import tempfile
+import unittest
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+CLIENT, PROXY, PROXY_OUT, REPLICA = 50000, 8000, 40000, 9000
+
+
+class Capture:
+    """A loopback pcap (nanosecond stamps, Ethernet framing as Linux writes lo) built in order."""
+
+    def __init__(self):
+        self.records = []
+        self.seq = {}
+
+    def send(self, t, sport, dport, payload, skip=False):
+        """`payload` from sport to dport at `t` seconds; `skip` leaves the packet out (a drop)."""
+        seq = self.seq.get((sport, dport), 1000)
+        self.seq[(sport, dport)] = seq + len(payload)
+        if skip:
+            return
+        tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, 0x18, 65535, 0, 0)
+        ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + len(payload), 0, 0, 64, 6, 0,
+                         bytes([127, 0, 0, 1]), bytes([127, 0, 0, 1]))
+        frame = bytes(12) + b"\x08\x00" + ip + tcp + payload
+        ns = round(t * 1e9)
+        self.records.append(struct.pack("<IIII", ns // 10**9, ns % 10**9, len(frame), len(frame)) + frame)
+
+    def write(self, path):
+        with open(path, "wb") as f:
+            f.write(struct.pack("<IHHiIII", 0xA1B23C4D, 2, 4, 0, 0, 262144, 1))
+            f.writelines(self.records)
+
+
+def chunk(data):
+    return b"%x\r\n%s\r\n" % (len(data), data)
+
+
+ROLE = b'data: {"choices":[{"delta":{"role":"assistant"}}]}\n\n'
+OUTPUT = b'data: {"choices":[{"text":"a"}]}\n\n'
+USAGE = b'data: {"choices":[],"usage":{"completion_tokens":1}}\n\n'
+DONE = b"data: [DONE]\n\n"
+SSE_HEAD = b"HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ntransfer-encoding: chunked\r\n\r\n"
+
+
+def one_stream(cap, drop_upstream_role=False):
+    """A request through the proxy and its stream; the proxy cuts the usage chunk."""
+    request = b'POST /v1/completions HTTP/1.1\r\nx-request-id: r1\r\ncontent-length: 2\r\n\r\n'
+    cap.send(1.000000, CLIENT, PROXY, request)
+    cap.send(1.000010, CLIENT, PROXY, b"{}")
+    cap.send(1.000150, PROXY_OUT, REPLICA, request + b"{}")
+    # A health probe on its own connection: no request id, left out.
+    cap.send(1.000200, PROXY_OUT + 1, REPLICA, b"GET /health HTTP/1.1\r\ncontent-length: 0\r\n\r\n")
+    cap.send(1.000300, REPLICA, PROXY_OUT + 1, b"HTTP/1.1 200 OK\r\ncontent-length: 0\r\n\r\n")
+    cap.send(1.020000, REPLICA, PROXY_OUT, SSE_HEAD)
+    cap.send(1.020100, REPLICA, PROXY_OUT, chunk(ROLE), skip=drop_upstream_role)
+    # The output event arrives in two packets: it is complete with the second.
+    out = chunk(OUTPUT)
+    cap.send(1.020200, REPLICA, PROXY_OUT, out[:9])
+    cap.send(1.020300, REPLICA, PROXY_OUT, out[9:])
+    cap.send(1.030000, REPLICA, PROXY_OUT, chunk(USAGE))
+    cap.send(1.031000, REPLICA, PROXY_OUT, chunk(DONE) + b"0\r\n\r\n")
+    cap.send(1.020050, PROXY, CLIENT, SSE_HEAD)
+    cap.send(1.020150, PROXY, CLIENT, chunk(ROLE))
+    cap.send(1.020400, PROXY, CLIENT, chunk(OUTPUT))
+    cap.send(1.031200, PROXY, CLIENT, chunk(DONE) + b"0\r\n\r\n")
+
+
+def run(cap, *extra):
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "wire.pcap")
+        cap.write(path)
+        out = os.path.join(d, "wire.json")
+        p = subprocess.run([sys.executable, os.path.join(HERE, "wire_latency.py"), path, "--proxy-port", str(PROXY),
+                            "--replica-port", str(REPLICA), "--json", out, *extra], capture_output=True, text=True)
+        if not os.path.exists(out):
+            return p, None
+        with open(out) as f:
+            return p, json.load(f)
+
+
+class WireLatency(unittest.TestCase):
+    def test_residences_are_read_from_the_packets_that_complete_each_message(self):
+        cap = Capture()
+        one_stream(cap)
+        p, r = run(cap)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual((r["requests"], r["events_unmatched"], r["broken_flows"]), (1, 0, 0))
+        # The request: its body's packet in, the forwarded request's packet out.
+        self.assertAlmostEqual(r["request_us"]["p50"], 150 - 10, places=3)
+        # Role 50 µs, the output event 100 µs (from its second packet), [DONE] 200 µs; the usage
+        # chunk the proxy cut is not matched to anything.
+        self.assertEqual(r["event_us"]["n"], 3)
+        self.assertAlmostEqual(r["event_us"]["max"], 200, places=3)
+        self.assertAlmostEqual(r["event_us"]["p50"], 100, places=3)
+        self.assertAlmostEqual(r["first_event_us"]["p50"], 100, places=3)
+        self.assertAlmostEqual(r["ttft_share_us"]["p50"], 240, places=3)
+        self.assertAlmostEqual(r["replica_ttft_us"]["p50"], 20300 - 150, places=3)
+
+    def test_a_dropped_packet_is_counted_and_what_follows_it_is_left_out(self):
+        cap = Capture()
+        one_stream(cap, drop_upstream_role=True)
+        p, r = run(cap)
+        self.assertEqual(r["broken_flows"], 1)
+        self.assertEqual(r["event_us"]["n"], 0)
+        self.assertEqual(r["events_unmatched"], 1)
+
+    def test_a_capture_without_matching_requests_fails_clearly(self):
+        cap = Capture()
+        cap.send(1.0, CLIENT, PROXY, b"GET /v1/models HTTP/1.1\r\n\r\n")
+        p, _ = run(cap)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("no request was matched", p.stderr)
+
+    def test_a_file_that_is_not_a_pcap_is_refused(self):
+        with tempfile.NamedTemporaryFile(suffix=".pcap") as f:
+            f.write(b"\x0a\x0d\x0d\x0a" + bytes(40))
+            f.flush()
+            p = subprocess.run([sys.executable, os.path.join(HERE, "wire_latency.py"), f.name,
+                                "--proxy-port", "1", "--replica-port", "2"], capture_output=True, text=True)
+        self.assertNotEqual(p.returncode, 0)
+        self.assertIn("pcapng is not read", p.stderr)
+
+
+if __name__ == "__main__":
+    unittest.main()

@@ -1,0 +1,411 @@
+#!/usr/bin/env python3
+"""What a proxy itself adds to each request and each streamed event, read off the wire.
+
+A loopback packet capture of one proxy's traffic holds both of its legs: client <-> proxy and
+proxy <-> replica. Each request is matched across the legs by its x-request-id, each SSE event of
+its answer by content (in order), and the proxy's residence is the time between the packet that
+completed the message on one leg and the packet that completed it on the other:
+
+  residence(request)  = t(last byte of the request to the replica) - t(last byte of the request from the client)
+  residence(event k)  = t(last byte of event k to the client) - t(last byte of event k from the replica)
+  proxy's TTFT share  = residence(request) + residence(first output-bearing event)
+
+  | input              | meaning                                                            |
+  |--------------------|--------------------------------------------------------------------|
+  | CAPTURE.pcap       | tcpdump -i lo -s 0 (nanosecond or microsecond timestamps)          |
+  | --proxy-port P     | the proxy's listening port: the client leg                         |
+  | --replica-port R   | the replica's port: the upstream leg                               |
+  | --dropped N        | packets tcpdump reported dropped (only reported; gaps are detected) |
+
+On loopback the kernel stamps a packet once, as its sender's system call hands it down, so the
+times do not depend on when the capture program, the client or the replica next get a CPU. What
+is left between the legs is the proxy's own time: its wake-up, its reads, its work and its writes.
+A client measures that plus its own wake-ups, which a proxy on another core makes cross-core ones.
+
+Output: a summary on stdout and, with --json, the distributions (microseconds) for the benchmark's
+report. Connections whose capture has a gap (a dropped packet) are counted and left out from the gap.
+"""
+import argparse
+import bisect
+import json
+import struct
+import sys
+
+MASK = 0xFFFFFFFF
+
+
+class Flow:
+    """One direction of one TCP connection: its bytes in order and when each packet carrying them was sent."""
+
+    __slots__ = ("next_seq", "parts", "ends", "times", "broken", "size")
+
+    def __init__(self):
+        self.next_seq = None
+        self.parts, self.ends, self.times = [], [], []
+        self.broken = False
+        self.size = 0
+
+    def add(self, seq, ts, payload):
+        if self.broken:
+            return
+        if self.next_seq is None:
+            self.next_seq = seq
+        ahead = (seq - self.next_seq) & MASK
+        if ahead != 0:
+            if ahead < 1 << 31:
+                # A gap: a packet the capture did not get. The bytes after it cannot be framed.
+                self.broken = True
+                return
+            behind = (self.next_seq - seq) & MASK
+            if behind >= len(payload):
+                return  # a retransmission of bytes already held
+            payload = payload[behind:]
+        self.parts.append(payload)
+        self.size += len(payload)
+        self.ends.append(self.size)
+        self.times.append(ts)
+        self.next_seq = (self.next_seq + len(payload)) & MASK
+
+    def data(self):
+        return b"".join(self.parts)
+
+    def time_of(self, offset):
+        """When the packet holding byte `offset` was sent (ns)."""
+        return self.times[bisect.bisect_right(self.ends, offset)]
+
+
+def read_pcap(path, flows):
+    """Fills `flows` ((src, sport, dst, dport) -> Flow) from a pcap file; returns the packet count."""
+    with open(path, "rb") as f:
+        buf = f.read()
+    if len(buf) < 24:
+        raise SystemExit(f"{path}: not a pcap file (shorter than its header)")
+    magic = buf[:4]
+    formats = {b"\xd4\xc3\xb2\xa1": ("<", 1000), b"\x4d\x3c\xb2\xa1": ("<", 1),
+               b"\xa1\xb2\xc3\xd4": (">", 1000), b"\xa1\xb2\x3c\x4d": (">", 1)}
+    if magic not in formats:
+        raise SystemExit(f"{path}: not a pcap file (magic {magic.hex()}; pcapng is not read: write with tcpdump -w)")
+    endian, to_ns = formats[magic]
+    linktype = struct.unpack(endian + "I", buf[20:24])[0] & 0xFFFF
+    # 1: Ethernet (Linux loopback), 113: Linux cooked, 276: Linux cooked v2, 0: BSD loopback.
+    link_len = {1: 14, 113: 16, 276: 20, 0: 4}.get(linktype)
+    if link_len is None:
+        raise SystemExit(f"{path}: link type {linktype} is not read (capture on lo with tcpdump -i lo)")
+    record = struct.Struct(endian + "IIII")
+    pos, count = 24, 0
+    while pos + 16 <= len(buf):
+        sec, frac, incl, orig = record.unpack_from(buf, pos)
+        pos += 16
+        pkt = buf[pos:pos + incl]
+        pos += incl
+        if incl < orig:
+            raise SystemExit(f"{path}: packets cut at {incl} bytes: capture with -s 0")
+        count += 1
+        ip = pkt[link_len:]
+        if not ip:
+            continue
+        version = ip[0] >> 4
+        if version == 4:
+            ihl = (ip[0] & 15) * 4
+            if ip[9] != 6:
+                continue
+            total = struct.unpack_from("!H", ip, 2)[0]
+            src, dst, tcp = ip[12:16], ip[16:20], ip[ihl:total]
+        elif version == 6:
+            if ip[6] != 6:
+                continue  # extension headers are not followed: loopback TCP has none
+            total = 40 + struct.unpack_from("!H", ip, 4)[0]
+            src, dst, tcp = ip[8:24], ip[24:40], ip[40:total]
+        else:
+            continue
+        if len(tcp) < 20:
+            continue
+        sport, dport, seq = struct.unpack_from("!HHI", tcp, 0)
+        offset = (tcp[12] >> 4) * 4
+        flags = tcp[13]
+        key = (src, sport, dst, dport)
+        flow = flows.get(key)
+        if flow is None:
+            flow = flows[key] = Flow()
+        if flags & 0x02:  # SYN: data starts one past it
+            flow.next_seq = (seq + 1) & MASK
+        payload = tcp[offset:]
+        if payload:
+            flow.add(seq, sec * 1_000_000_000 + frac * to_ns, payload)
+    return count
+
+
+def head_end(data, pos):
+    end = data.find(b"\r\n\r\n", pos)
+    return -1 if end < 0 else end + 4
+
+
+def headers_of(head):
+    lines = head.split(b"\r\n")
+    fields = {}
+    for line in lines[1:]:
+        name, _, value = line.partition(b":")
+        fields[name.strip().lower()] = value.strip()
+    return lines[0], fields
+
+
+def chunked_pieces(data, pos):
+    """The pieces (raw offset, length) of a chunked body from `pos`, and where the body ends (-1: cut)."""
+    pieces = []
+    while True:
+        line_end = data.find(b"\r\n", pos)
+        if line_end < 0:
+            return pieces, -1
+        size = size_of(data[pos:line_end].split(b";")[0].strip(), 16)
+        pos = line_end + 2
+        if size == 0:
+            # Trailer fields, then the empty line.
+            while True:
+                line_end = data.find(b"\r\n", pos)
+                if line_end < 0:
+                    return pieces, -1
+                if line_end == pos:
+                    return pieces, pos + 2
+                pos = line_end + 2
+        if pos + size + 2 > len(data):
+            pieces.append((pos, min(size, len(data) - pos)))
+            return pieces, -1
+        pieces.append((pos, size))
+        pos += size + 2
+
+
+class Unreadable(Exception):
+    """A connection whose bytes are not HTTP/1.x as this reader knows it."""
+
+
+def size_of(text, base=10):
+    try:
+        return int(text, base)
+    except ValueError:
+        raise Unreadable(f"bad length {text[:20]!r}") from None
+
+
+def next_head(data, pos):
+    """(first line, fields, where the body starts) of the message at `pos`; None if its head is cut."""
+    end = head_end(data, pos)
+    return None if end < 0 else (*headers_of(data[pos:end - 4]), end)
+
+
+def is_chunked(fields):
+    return fields.get(b"transfer-encoding", b"").lower().endswith(b"chunked")
+
+
+def requests_of(flow):
+    """[(x-request-id or None, when its last byte was sent)] in order."""
+    data, pos, out = flow.data(), 0, []
+    while (head := next_head(data, pos)) is not None:
+        line, fields, end = head
+        if not line.split(b" ")[0].isalpha():
+            break  # not the start of a request: the capture began inside one
+        if is_chunked(fields):
+            _, body_end = chunked_pieces(data, end)
+        else:
+            body_end = end + size_of(fields.get(b"content-length", b"0"))
+        if body_end < 0 or body_end > len(data):
+            break
+        rid = fields.get(b"x-request-id")
+        out.append((rid.decode() if rid else None, flow.time_of(body_end - 1)))
+        pos = body_end
+    return out
+
+
+def events_of(flow):
+    """[[(event bytes, when its last byte was sent)] per response] in order; non-SSE answers give []."""
+    data, pos, out = flow.data(), 0, []
+    while (head := next_head(data, pos)) is not None:
+        line, fields, end = head
+        if not line.startswith(b"HTTP/1."):
+            break
+        parts = line.split(b" ")
+        status = size_of(parts[1]) if len(parts) > 1 else 0
+        if 100 <= status < 200:
+            pos = end
+            continue
+        if is_chunked(fields):
+            pieces, body_end = chunked_pieces(data, end)
+        elif b"content-length" in fields:
+            length = size_of(fields[b"content-length"])
+            pieces, body_end = [(end, min(length, len(data) - end))], end + length
+        else:
+            pieces, body_end = [(end, len(data) - end)], len(data)
+        sse = fields.get(b"content-type", b"").startswith(b"text/event-stream")
+        events = []
+        if sse:
+            body = b"".join(data[p:p + n] for p, n in pieces)
+            starts, acc = [], 0
+            for _, n in pieces:
+                starts.append(acc)
+                acc += n
+            at = 0
+            while True:
+                sep = body.find(b"\n\n", at)
+                if sep < 0:
+                    break
+                last = sep + 1  # the event's final byte, mapped back to the wire
+                k = bisect.bisect_right(starts, last) - 1
+                raw = pieces[k][0] + last - starts[k]
+                events.append((body[at:sep], flow.time_of(raw)))
+                at = sep + 2
+        out.append(events)
+        if body_end < 0 or body_end > len(data):
+            break
+        pos = body_end
+    return out
+
+
+def output_bearing(event):
+    """An event that carries output: a choice with text, content, reasoning or tool calls."""
+    for line in event.split(b"\n"):
+        if not line.startswith(b"data:"):
+            continue
+        payload = line[5:].strip()
+        if payload == b"[DONE]":
+            return False
+        try:
+            obj = json.loads(payload)
+        except ValueError:
+            return False
+        for choice in obj.get("choices") or []:
+            delta = choice.get("delta") or {}
+            if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+                return True
+    return False
+
+
+def legs(flows, port, unreadable=None):
+    """{x-request-id: (request sent, [(event, t)])} of the connections whose server side is `port`;
+    connections that cannot be read are counted in `unreadable` (a one-element list)."""
+    out, unmatched = {}, 0
+    for (src, sport, dst, dport), flow in flows.items():
+        if dport != port:
+            continue
+        answers = flows.get((dst, dport, src, sport))
+        try:
+            reqs = requests_of(flow)
+            resps = events_of(answers) if answers else []
+        except Unreadable:
+            if unreadable is not None:
+                unreadable[0] += 1
+            continue
+        for i, (rid, t) in enumerate(reqs):
+            if rid is None:
+                continue  # health checks and scrapes
+            if i >= len(resps):
+                unmatched += 1
+                continue
+            # A retried request appears twice upstream: the last attempt is the one answered.
+            out[rid] = (t, resps[i])
+    return out, unmatched
+
+
+def summary(xs):
+    xs = sorted(xs)
+    if not xs:
+        return {"n": 0}
+
+    def q(p):
+        k = (len(xs) - 1) * p
+        f = int(k)
+        return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f)
+    return {"n": len(xs), "mean": sum(xs) / len(xs), "p50": q(0.5), "p90": q(0.9), "p99": q(0.99),
+            "p999": q(0.999), "max": xs[-1]}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("pcap")
+    ap.add_argument("--proxy-port", type=int, required=True)
+    ap.add_argument("--replica-port", type=int, required=True)
+    ap.add_argument("--dropped", type=int, default=0)
+    ap.add_argument("--json")
+    ap.add_argument("--slowest", type=int, default=0, metavar="N",
+                    help="also list the N slowest events, with when each came in (s from the capture's start)")
+    args = ap.parse_args()
+    flows = {}
+    packets = read_pcap(args.pcap, flows)
+    unreadable = [0]
+    client, client_unanswered = legs(flows, args.proxy_port, unreadable)
+    upstream, upstream_unanswered = legs(flows, args.replica_port, unreadable)
+    us = lambda ns: ns / 1000.0
+    request_res, event_res, first_res, ttft_share, replica_ttft = [], [], [], [], []
+    events_unmatched, requests_unmatched = 0, 0
+    slow = []  # (residence µs, when it came in ns, request id, event index)
+    waits = []  # (residence ns, in, out) of every event
+    for rid, (t_in, down) in client.items():
+        if rid not in upstream:
+            requests_unmatched += 1
+            continue
+        t_out, up = upstream[rid]
+        request_res.append(us(t_out - t_in))
+        j, first = 0, None
+        first_up = next((k for k, (e, _) in enumerate(up) if output_bearing(e)), None)
+        for event, t_down in down:
+            while j < len(up) and up[j][0] != event:
+                j += 1
+            if j == len(up):
+                events_unmatched += 1
+                break
+            event_res.append(us(t_down - up[j][1]))
+            waits.append((t_down - up[j][1], up[j][1], t_down))
+            if args.slowest:
+                slow.append((event_res[-1], up[j][1], rid, j))
+            if j == first_up and first is None:
+                first = t_down - up[j][1]
+            j += 1
+        if first is not None:
+            first_res.append(us(first))
+            ttft_share.append(us(t_out - t_in + first))
+            replica_ttft.append(us(up[first_up][1] - t_out))
+    # What the slowest events waited behind: the share of them whose time in the proxy spans the
+    # moment it forwarded some request (its request path ran on the same core meanwhile), against
+    # the same share over all events.
+    forwarded = sorted(t for t, _ in upstream.values())
+
+    def spans_a_forward(t_in, t_out):
+        k = bisect.bisect_left(forwarded, t_in)
+        return k < len(forwarded) and forwarded[k] <= t_out
+    cut = sorted(w[0] for w in waits)[int(0.99 * (len(waits) - 1))] if waits else 0
+    tail = [w for w in waits if w[0] >= cut]
+    share = lambda ws: sum(spans_a_forward(a, b) for _, a, b in ws) / len(ws) if ws else 0.0
+    result = {
+        "packets": packets, "dropped": args.dropped,
+        "broken_flows": sum(f.broken for f in flows.values()), "unreadable_connections": unreadable[0],
+        "requests": len(request_res), "requests_unmatched": requests_unmatched,
+        "unanswered": client_unanswered + upstream_unanswered, "events_unmatched": events_unmatched,
+        "request_us": summary(request_res), "first_event_us": summary(first_res),
+        "ttft_share_us": summary(ttft_share), "event_us": summary(event_res),
+        "replica_ttft_us": summary(replica_ttft),
+        "slowest_1pct_spanning_a_forward": share(tail), "all_spanning_a_forward": share(waits),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    fmt = lambda s: (f"n {s['n']}, mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p90 {s['p90']:.1f}, p99 {s['p99']:.1f}, "
+                     f"p99.9 {s['p999']:.1f}, max {s['max']:.1f} µs") if s["n"] else "none"
+    print(f"{packets} packets ({args.dropped} dropped by the kernel, {result['broken_flows']} connection "
+          f"directions with a gap); {len(request_res)} requests matched across the legs "
+          f"({requests_unmatched} not, {result['unanswered']} unanswered), {events_unmatched} events unmatched, "
+          f"{unreadable[0]} connections not readable as HTTP/1.x")
+    print(f"request, client leg to replica leg: {fmt(result['request_us'])}")
+    print(f"first output event, replica leg to client leg: {fmt(result['first_event_us'])}")
+    print(f"the proxy's share of TTFT (the two above): {fmt(result['ttft_share_us'])}")
+    print(f"every event, replica leg to client leg: {fmt(result['event_us'])}")
+    print(f"the replica's TTFT on the wire (request in to first output event out): {fmt(result['replica_ttft_us'])}")
+    print(f"events in the slowest 1% that spanned the forwarding of a request: "
+          f"{100 * result['slowest_1pct_spanning_a_forward']:.1f}% (all events: {100 * result['all_spanning_a_forward']:.1f}%)")
+    if slow:
+        start = min(min(f.times) for f in flows.values() if f.times)
+        print(f"the {args.slowest} slowest events (µs held; s into the capture; request id; event index):")
+        for res, t, rid, k in sorted(slow, reverse=True)[:args.slowest]:
+            print(f"  {res:9.1f}  {(t - start) / 1e9:8.3f}  {rid}  {k}")
+    if not request_res:
+        sys.exit("no request was matched across the two legs: are the ports right, and does the proxy pass x-request-id on?")
+
+
+if __name__ == "__main__":
+    main()
