@@ -353,9 +353,10 @@ wire = {}
 for c in ("headroom", "nginx"):
     for r in range(1, rounds + 1):
         try:
-            wire.setdefault(c, []).append(json.load(open(f"{out}/{c}-{r}/wire.json")))
+            row = json.load(open(f"{out}/{c}-{r}/wire.json"))
         except (OSError, ValueError):
-            pass
+            continue
+        wire.setdefault(c, []).append(row)
 if wire:
     at = lambda rows, k, p: statistics.median(w[k][p] for w in rows if w[k]["n"])
     lines += ["", "Read off the wire (WIRE=1: each proxy round's loopback packets, stamped by the kernel as each is sent;",

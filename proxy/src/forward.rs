@@ -8,11 +8,11 @@
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
+use futures_util::future::Either;
 use headroom_workload::measure::ResponseMeter;
 use http::header;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::http::client::HttpSession as UpstreamSession;
-use pingora::protocols::http::v1::client::http_req_header_to_wire;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
@@ -210,61 +210,143 @@ impl HeaderRules {
     }
 }
 
-fn upstream_header(
-    session: &Session,
-    backend: &Backend,
+/// What a request's header for a replica is made from.
+struct Outbound<'a> {
+    session: &'a Session,
+    backend: &'a Backend,
     body_len: usize,
-    request_id: &str,
-    rules: &HeaderRules,
-    strip: bool,
-) -> Result<RequestHeader, ProxyError> {
+    request_id: &'a str,
+    rules: &'a HeaderRules,
+    /// Whether the client's `Authorization` stays at the proxy.
+    strip_authorization: bool,
+}
+
+/// The header fields a replica gets for a client request, in order, each handed to `field`: the
+/// client's own that the rules pass on, then the proxy's (`host`, `content-length`,
+/// `x-request-id`, the engine's key, the forwarding pair). Where the proxy sets a field, the
+/// client's is left out.
+fn upstream_fields(out: &Outbound, mut field: impl FnMut(&str, &[u8])) {
+    let Outbound {
+        session,
+        backend,
+        body_len,
+        request_id,
+        rules,
+        strip_authorization: strip,
+    } = *out;
     let down = session.req_header();
-    let path = down
-        .uri
-        .path_and_query()
-        .map_or("/", |p| p.as_str())
-        .as_bytes();
-    let bad = |e: Box<pingora::Error>| ProxyError::new(ErrorKind::BadRequest, e.to_string());
-    let mut up = RequestHeader::build(down.method.clone(), path, Some(down.headers.len() + 4))
-        .map_err(bad)?;
-    let listed = connection_listed(&down.headers);
-    for (name, value) in &down.headers {
-        if rules.forwards(name, &listed, strip) {
-            up.append_header(name.clone(), value.clone()).map_err(bad)?;
-        }
-    }
-    up.insert_header(header::HOST, backend.authority.as_str())
-        .map_err(bad)?;
-    up.insert_header(header::CONTENT_LENGTH, body_len.to_string())
-        .map_err(bad)?;
-    up.insert_header("x-request-id", request_id).map_err(bad)?;
     // A preflight (the only OPTIONS forwarded without a client key) goes without the engine's
     // key: engines answer preflights unauthenticated, and nothing keyless goes out with it.
-    if let Some(auth) = backend
+    let engine_key = backend
         .authorization
         .as_ref()
-        .filter(|_| down.method != http::Method::OPTIONS)
-    {
-        up.insert_header(header::AUTHORIZATION, auth.clone())
-            .map_err(bad)?;
+        .filter(|_| down.method != http::Method::OPTIONS);
+    let client_ip = session
+        .client_addr()
+        .and_then(|a| a.as_inet())
+        .map(|a| a.ip());
+    let set_proto = client_ip.is_some()
+        && (!down.headers.contains_key("x-forwarded-proto") || !rules.trust_forwarded);
+    let listed = connection_listed(&down.headers);
+    for (name, value) in &down.headers {
+        let set_here = name == "x-request-id"
+            || (engine_key.is_some() && name == header::AUTHORIZATION)
+            || (client_ip.is_some() && name == "x-forwarded-for")
+            || (set_proto && name == "x-forwarded-proto");
+        if !set_here && rules.forwards(name, &listed, strip) {
+            field(name.as_str(), value.as_bytes());
+        }
     }
-    if let Some(addr) = session.client_addr().and_then(|a| a.as_inet()) {
+    field("host", backend.authority.as_bytes());
+    field("content-length", body_len.to_string().as_bytes());
+    field("x-request-id", request_id.as_bytes());
+    if let Some(key) = engine_key {
+        field("authorization", key.as_bytes());
+    }
+    if let Some(ip) = client_ip {
         let previous = down
             .headers
             .get("x-forwarded-for")
             .and_then(|v| v.to_str().ok())
             .filter(|_| rules.trust_forwarded);
         let xff = match previous {
-            Some(prev) => format!("{prev}, {}", addr.ip()),
-            None => addr.ip().to_string(),
+            Some(prev) => format!("{prev}, {ip}"),
+            None => ip.to_string(),
         };
-        up.insert_header("x-forwarded-for", xff).map_err(bad)?;
-        if !down.headers.contains_key("x-forwarded-proto") || !rules.trust_forwarded {
-            up.insert_header("x-forwarded-proto", rules.proto)
-                .map_err(bad)?;
+        field("x-forwarded-for", xff.as_bytes());
+        if set_proto {
+            field("x-forwarded-proto", rules.proto.as_bytes());
         }
     }
-    Ok(up)
+}
+
+/// The request header for a replica, as pingora's connector takes it (replicas reached over TLS).
+fn upstream_header(out: &Outbound) -> Result<RequestHeader, ProxyError> {
+    let down = out.session.req_header();
+    let bad = |e: Box<pingora::Error>| ProxyError::new(ErrorKind::BadRequest, e.to_string());
+    let mut up = RequestHeader::build(
+        down.method.clone(),
+        request_target(down),
+        Some(down.headers.len() + 4),
+    )
+    .map_err(bad)?;
+    let mut failed = None;
+    upstream_fields(out, |name, value| {
+        if failed.is_none() {
+            if let Err(e) = up.append_header(name.to_owned(), value) {
+                failed = Some(bad(e));
+            }
+        }
+    });
+    failed.map_or(Ok(up), Err)
+}
+
+/// The request header for a replica as HTTP/1.1 bytes (replicas spoken to by headroom's own
+/// client): the same fields as [`upstream_header`], written straight into the buffer that goes
+/// out, without building pingora's header first.
+fn upstream_head(out: &Outbound) -> Result<Vec<u8>, ProxyError> {
+    let down = out.session.req_header();
+    let target = request_target(down);
+    // RFC 9112 §3.2: none of these can be sent in a request target.
+    if target.iter().any(|b| matches!(b, 0 | b'\n' | b'\r' | b' ')) {
+        return Err(ProxyError::new(
+            ErrorKind::BadRequest,
+            "the request target holds a byte HTTP/1.1 forbids there",
+        ));
+    }
+    let mut head = Vec::with_capacity(512);
+    head.extend_from_slice(down.method.as_str().as_bytes());
+    head.push(b' ');
+    head.extend_from_slice(target);
+    head.extend_from_slice(b" HTTP/1.1\r\n");
+    let mut unsendable = None;
+    upstream_fields(out, |name, value| {
+        // The client's values were parsed as header values; the proxy's own are checked here.
+        if value.iter().any(|b| matches!(b, 0 | b'\n' | b'\r')) {
+            unsendable.get_or_insert_with(|| name.to_owned());
+            return;
+        }
+        head.extend_from_slice(name.as_bytes());
+        head.extend_from_slice(b": ");
+        head.extend_from_slice(value);
+        head.extend_from_slice(b"\r\n");
+    });
+    if let Some(name) = unsendable {
+        return Err(ProxyError::new(
+            ErrorKind::BadRequest,
+            format!("the {name} field's value holds a byte a header cannot carry"),
+        ));
+    }
+    head.extend_from_slice(b"\r\n");
+    Ok(head)
+}
+
+/// The client's request target, as it goes to the replica.
+fn request_target(down: &RequestHeader) -> &[u8] {
+    down.uri
+        .path_and_query()
+        .map_or("/", |p| p.as_str())
+        .as_bytes()
 }
 
 /// How a relayed response is framed, on both sides.
@@ -651,31 +733,34 @@ impl Headroom {
         strip_authorization: bool,
         on_sent: impl FnOnce(),
     ) -> Attempt {
-        let header = match upstream_header(
-            session,
-            backend,
-            body.len(),
-            request_id,
-            &self.headers,
-            strip_authorization,
-        ) {
-            Ok(h) => h,
-            Err(e) => return Attempt::Failed(e),
-        };
         let Some(addr) = backend.addr() else {
             return Attempt::Failed(ProxyError::new(
                 ErrorKind::UpstreamConnect,
                 format!("{}: {} has not resolved", backend.name, backend.authority),
             ));
         };
-        let send = async {
-            match &backend.tls_host {
-                None => self.send_plain(backend, addr, header, body, on_sent).await,
-                Some(host) => {
-                    self.send_tls(backend, addr, host, header, body, on_sent)
-                        .await
+        let out = Outbound {
+            session,
+            backend,
+            body_len: body.len(),
+            request_id,
+            rules: &self.headers,
+            strip_authorization,
+        };
+        let head_only = session.req_header().method == http::Method::HEAD;
+        let send = match &backend.tls_host {
+            None => match upstream_head(&out) {
+                Ok(head) => {
+                    Either::Left(self.send_plain(backend, addr, head, head_only, body, on_sent))
                 }
-            }
+                Err(e) => return Attempt::Failed(e),
+            },
+            Some(host) => match upstream_header(&out) {
+                Ok(header) => {
+                    Either::Right(self.send_tls(backend, addr, host, header, body, on_sent))
+                }
+                Err(e) => return Attempt::Failed(e),
+            },
         };
         tokio::select! {
             r = send => match r {
@@ -692,16 +777,11 @@ impl Headroom {
         &self,
         backend: &Backend,
         addr: std::net::SocketAddr,
-        header: RequestHeader,
+        head: Vec<u8>,
+        head_only: bool,
         body: &Bytes,
         on_sent: impl FnOnce(),
     ) -> Result<(Upstream, ResponseHeader), ProxyError> {
-        let Some(head) = http_req_header_to_wire(&header) else {
-            return Err(ProxyError::new(
-                ErrorKind::BadRequest,
-                "the request target holds a byte HTTP/1.1 forbids there",
-            ));
-        };
         let t = &self.cfg.timeouts;
         let limits = h1::Limits {
             connect: Duration::from_millis(t.connect_ms),
@@ -710,7 +790,7 @@ impl Headroom {
         let req = h1::Request {
             head: &head,
             body,
-            head_only: header.method == http::Method::HEAD,
+            head_only,
         };
         let (resp, body) =
             h1::exchange(&self.h1_pool, addr, &backend.name, req, limits, on_sent).await?;
