@@ -18,13 +18,19 @@ class Capture:
         self.records = []
         self.seq = {}
 
-    def send(self, t, sport, dport, payload, skip=False):
-        """`payload` from sport to dport at `t` seconds; `skip` leaves the packet out (a drop)."""
-        seq = self.seq.get((sport, dport), 1000)
-        self.seq[(sport, dport)] = seq + len(payload)
+    def send(self, t, sport, dport, payload, skip=False, seq=None, flags=0x18):
+        """`payload` from sport to dport at `t` seconds; `skip` leaves the packet out (a drop), `seq`
+        sends it at a sequence number of its own (a reordered or repeated segment)."""
+        if seq is None:
+            seq = self.seq.get((sport, dport), 1000)
+            self.seq[(sport, dport)] = seq + len(payload) + (1 if flags & 0x02 else 0)
         if skip:
-            return
-        tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, 0x18, 65535, 0, 0)
+            return seq
+        self.frame(t, sport, dport, seq, flags, payload)
+        return seq
+
+    def frame(self, t, sport, dport, seq, flags, payload):
+        tcp = struct.pack("!HHIIBBHHH", sport, dport, seq, 0, 5 << 4, flags, 65535, 0, 0)
         ip = struct.pack("!BBHHHBBH4s4s", 0x45, 0, 20 + len(tcp) + len(payload), 0, 0, 64, 6, 0,
                          bytes([127, 0, 0, 1]), bytes([127, 0, 0, 1]))
         frame = bytes(12) + b"\x08\x00" + ip + tcp + payload
@@ -108,7 +114,10 @@ class WireLatency(unittest.TestCase):
         p, r = run(cap)
         self.assertEqual(r["broken_flows"], 1)
         self.assertEqual(r["event_us"]["n"], 0)
-        self.assertEqual(r["events_unmatched"], 1)
+        # Every event the client got is counted as unmatched, and the request as one without a
+        # first output event.
+        self.assertEqual(r["events_unmatched"], 3)
+        self.assertEqual(r["requests_without_first_event"], 1)
 
     def test_a_capture_without_matching_requests_fails_clearly(self):
         cap = Capture()
@@ -125,6 +134,67 @@ class WireLatency(unittest.TestCase):
                                 "--proxy-port", "1", "--replica-port", "2"], capture_output=True, text=True)
         self.assertNotEqual(p.returncode, 0)
         self.assertIn("pcapng is not read", p.stderr)
+
+
+    def test_reordered_and_resent_segments_are_put_back_in_order_and_timed_by_their_reader(self):
+        cap = Capture()
+        request = b"POST /v1/completions HTTP/1.1\r\nx-request-id: r1\r\ncontent-length: 2\r\n\r\n{}"
+        cap.send(1.0, CLIENT, PROXY, request)
+        cap.send(1.0001, PROXY_OUT, REPLICA, request)
+        cap.send(1.02, REPLICA, PROXY_OUT, SSE_HEAD)
+        first = chunk(OUTPUT)
+        # The replica's output event is captured after the [DONE] behind it, and sent twice: the
+        # proxy got it with the second copy.
+        at = cap.send(1.0201, REPLICA, PROXY_OUT, first, skip=True)
+        cap.send(1.0300, REPLICA, PROXY_OUT, chunk(DONE) + b"0\r\n\r\n")
+        cap.frame(1.0202, REPLICA, PROXY_OUT, at, 0x18, first)
+        cap.frame(1.0250, REPLICA, PROXY_OUT, at, 0x18, first)
+        cap.send(1.02005, PROXY, CLIENT, SSE_HEAD)
+        cap.send(1.0252, PROXY, CLIENT, chunk(OUTPUT))
+        cap.send(1.0301, PROXY, CLIENT, chunk(DONE) + b"0\r\n\r\n")
+        p, r = run(cap)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual((r["broken_flows"], r["resent_segments"], r["event_us"]["n"]), (0, 1, 2))
+        self.assertAlmostEqual(r["first_event_us"]["p50"], 200, places=3)
+        self.assertAlmostEqual(r["event_us"]["max"], 200, places=3)
+
+    def test_a_reused_connection_head_answers_crlf_events_rewritten_events_and_repeated_ids(self):
+        cap = Capture()
+        head = b"HEAD /health HTTP/1.1\r\nx-request-id: h1\r\ncontent-length: 0\r\n\r\n"
+        cap.send(1.0, CLIENT, PROXY, head)
+        cap.send(1.0001, PROXY_OUT, REPLICA, head)
+        # A HEAD answer names a length but has no body: the next answer follows at once.
+        cap.send(1.0002, REPLICA, PROXY_OUT, b"HTTP/1.1 200 OK\r\ncontent-length: 500\r\n\r\n")
+        cap.send(1.0003, PROXY, CLIENT, b"HTTP/1.1 200 OK\r\ncontent-length: 500\r\n\r\n")
+        request = b"POST /v1/chat/completions HTTP/1.1\r\nx-request-id: r2\r\ncontent-length: 2\r\n\r\n{}"
+        cap.send(1.1, CLIENT, PROXY, request)
+        # A first attempt refused on another connection, then the one answered on the pooled one.
+        cap.send(1.1001, PROXY_OUT + 7, REPLICA, request)
+        cap.send(1.1002, REPLICA, PROXY_OUT + 7, b"HTTP/1.1 503 Busy\r\ncontent-length: 0\r\n\r\n")
+        cap.send(1.1003, PROXY_OUT, REPLICA, request)
+        crlf = b"data: {\"choices\":[{\"delta\":{\"content\":\"x\"}}]}\r\n\r\n"
+        cap.send(1.12, REPLICA, PROXY_OUT, SSE_HEAD + chunk(crlf))
+        cap.send(1.13, REPLICA, PROXY_OUT, chunk(DONE) + b"0\r\n\r\n")
+        cap.send(1.1201, PROXY, CLIENT, SSE_HEAD + chunk(crlf))
+        # An event the proxy made itself (a comment), then [DONE]: the stream is still matched.
+        cap.send(1.1250, PROXY, CLIENT, chunk(b": made here\n\n"))
+        cap.send(1.1302, PROXY, CLIENT, chunk(DONE) + b"0\r\n\r\n")
+        # The client's port used again for a new connection: a SYN starts it.
+        cap.send(1.2, CLIENT, PROXY, b"", flags=0x02, seq=5)
+        again = b"POST /v1/completions HTTP/1.1\r\nx-request-id: r3\r\ncontent-length: 2\r\n\r\n{}"
+        cap.frame(1.2001, CLIENT, PROXY, 6, 0x18, again)
+        cap.send(1.2002, PROXY_OUT, REPLICA, again)
+        cap.send(1.22, REPLICA, PROXY_OUT, SSE_HEAD + chunk(OUTPUT) + chunk(DONE) + b"0\r\n\r\n")
+        cap.send(1.2, PROXY, CLIENT, b"", flags=0x12, seq=77)
+        cap.frame(1.2205, PROXY, CLIENT, 78, 0x18, SSE_HEAD + chunk(OUTPUT) + chunk(DONE) + b"0\r\n\r\n")
+        p, r = run(cap)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual((r["requests"], r["unanswered"], r["repeated_ids"]), (3, 0, 1))
+        self.assertEqual((r["events_unmatched"], r["requests_without_first_event"]), (1, 1))
+        # r2's answered attempt went 300 µs after the client's last byte (the refused one 100 µs),
+        # its CRLF event 100 µs after the replica's; r3, on the new connection, 100 and 500 µs.
+        self.assertAlmostEqual(r["request_us"]["max"], 300, places=3)
+        self.assertEqual(sorted((r["ttft_share_us"]["p50"], r["ttft_share_us"]["max"])), [500, 600])
 
 
 if __name__ == "__main__":

@@ -28,6 +28,8 @@ report. Connections whose capture has a gap (a dropped packet) are counted and l
 import argparse
 import bisect
 import json
+import math
+import re
 import struct
 import sys
 
@@ -35,15 +37,22 @@ MASK = 0xFFFFFFFF
 
 
 class Flow:
-    """One direction of one TCP connection: its bytes in order and when each packet carrying them was sent."""
+    """One direction of one TCP connection: its bytes in order and when each packet carrying them was
+    sent, the first copy and, for bytes sent again (a retransmission), the last."""
 
-    __slots__ = ("next_seq", "parts", "ends", "times", "broken", "size")
+    __slots__ = ("next_seq", "parts", "ends", "first", "last", "held", "broken", "size", "resent")
 
-    def __init__(self):
-        self.next_seq = None
-        self.parts, self.ends, self.times = [], [], []
+    # Segments that arrive ahead of a gap wait this long (bytes) for it to fill before the gap is
+    # taken for a loss.
+    HOLD_BYTES = 1 << 20
+
+    def __init__(self, next_seq=None):
+        self.next_seq = next_seq
+        self.parts, self.ends, self.first, self.last = [], [], [], []
+        self.held = {}  # relative sequence -> (ts, payload), segments captured ahead of a gap
         self.broken = False
         self.size = 0
+        self.resent = 0
 
     def add(self, seq, ts, payload):
         if self.broken:
@@ -51,31 +60,63 @@ class Flow:
         if self.next_seq is None:
             self.next_seq = seq
         ahead = (seq - self.next_seq) & MASK
+        if ahead != 0 and ahead < 1 << 31:
+            # Captured ahead of bytes not seen yet: reordered in the capture, or a packet it lost.
+            self.held[seq] = (ts, payload)
+            if ahead > self.HOLD_BYTES:
+                self.broken = True  # a gap that does not fill: the bytes after it cannot be framed
+            return
         if ahead != 0:
-            if ahead < 1 << 31:
-                # A gap: a packet the capture did not get. The bytes after it cannot be framed.
-                self.broken = True
-                return
             behind = (self.next_seq - seq) & MASK
+            self.resent += 1
+            # Bytes sent again reached their reader with the last copy.
+            start = self.size - behind
+            k = bisect.bisect_right(self.ends, start)
+            while k < len(self.ends) and (k == 0 or self.ends[k - 1] < start + len(payload)):
+                self.last[k] = max(self.last[k], ts)
+                k += 1
             if behind >= len(payload):
-                return  # a retransmission of bytes already held
+                return
             payload = payload[behind:]
+        self.append(ts, payload)
+        # Segments held for a gap this one filled.
+        while self.held:
+            for held_seq, (held_ts, held) in list(self.held.items()):
+                behind = (self.next_seq - held_seq) & MASK
+                if behind < 1 << 31:  # it starts at or before the next byte wanted
+                    del self.held[held_seq]
+                    if behind < len(held):
+                        self.append(held_ts, held[behind:])
+                    break
+            else:
+                break
+
+    def append(self, ts, payload):
         self.parts.append(payload)
         self.size += len(payload)
         self.ends.append(self.size)
-        self.times.append(ts)
+        self.first.append(ts)
+        self.last.append(ts)
         self.next_seq = (self.next_seq + len(payload)) & MASK
+
+    def finish(self):
+        """Bytes still held for a gap at the end of the capture: the gap was a loss."""
+        if self.held:
+            self.broken = True
 
     def data(self):
         return b"".join(self.parts)
 
-    def time_of(self, offset):
-        """When the packet holding byte `offset` was sent (ns)."""
-        return self.times[bisect.bisect_right(self.ends, offset)]
+    def time_of(self, offset, last=False):
+        """When the packet holding byte `offset` was sent (ns): its first copy, or with `last` the
+        last one (the copy a reader got)."""
+        k = bisect.bisect_right(self.ends, offset)
+        return (self.last if last else self.first)[k]
 
 
 def read_pcap(path, flows):
-    """Fills `flows` ((src, sport, dst, dport) -> Flow) from a pcap file; returns the packet count."""
+    """Fills `flows` ((src, sport, dst, dport, connection) -> Flow) from a pcap file; returns the
+    packet count."""
     with open(path, "rb") as f:
         buf = f.read()
     if len(buf) < 24:
@@ -92,12 +133,14 @@ def read_pcap(path, flows):
     if link_len is None:
         raise SystemExit(f"{path}: link type {linktype} is not read (capture on lo with tcpdump -i lo)")
     record = struct.Struct(endian + "IIII")
-    pos, count = 24, 0
+    pos, count, generations = 24, 0, {}
     while pos + 16 <= len(buf):
         sec, frac, incl, orig = record.unpack_from(buf, pos)
         pos += 16
         pkt = buf[pos:pos + incl]
         pos += incl
+        if len(pkt) < incl:
+            break  # the capture was cut inside its last record
         if incl < orig:
             raise SystemExit(f"{path}: packets cut at {incl} bytes: capture with -s 0")
         count += 1
@@ -109,7 +152,8 @@ def read_pcap(path, flows):
             ihl = (ip[0] & 15) * 4
             if ip[9] != 6:
                 continue
-            total = struct.unpack_from("!H", ip, 2)[0]
+            # A total length of 0 is a segment larger than 64 KiB (offloaded): its frame's length.
+            total = struct.unpack_from("!H", ip, 2)[0] or len(ip)
             src, dst, tcp = ip[12:16], ip[16:20], ip[ihl:total]
         elif version == 6:
             if ip[6] != 6:
@@ -123,15 +167,25 @@ def read_pcap(path, flows):
         sport, dport, seq = struct.unpack_from("!HHI", tcp, 0)
         offset = (tcp[12] >> 4) * 4
         flags = tcp[13]
-        key = (src, sport, dst, dport)
-        flow = flows.get(key)
-        if flow is None:
-            flow = flows[key] = Flow()
+        # A connection's flows are keyed by their addresses and which connection between them it
+        # is: a SYN after bytes starts the next one (the same ports, used again).
+        pair = (src, sport, dst, dport)
+        gen = generations.get(pair, 0)
+        flow = flows.get(pair + (gen,))
         if flags & 0x02:  # SYN: data starts one past it
+            if flow is not None and (flow.size or flow.held) and flow.next_seq != (seq + 1) & MASK:
+                gen = generations[pair] = gen + 1
+                flow = None
+            if flow is None:
+                flow = flows[pair + (gen,)] = Flow()
             flow.next_seq = (seq + 1) & MASK
+        if flow is None:
+            flow = flows[pair + (gen,)] = Flow()
         payload = tcp[offset:]
         if payload:
             flow.add(seq, sec * 1_000_000_000 + frac * to_ns, payload)
+    for flow in flows.values():
+        flow.finish()
     return count
 
 
@@ -195,12 +249,14 @@ def is_chunked(fields):
     return fields.get(b"transfer-encoding", b"").lower().endswith(b"chunked")
 
 
-def requests_of(flow):
-    """[(x-request-id or None, when its last byte was sent)] in order."""
+def requests_of(flow, last):
+    """[(x-request-id or None, method, when its last byte was sent)] in order; `last`: the time of
+    the last copy of a byte sent more than once (what the proxy got), else the first."""
     data, pos, out = flow.data(), 0, []
     while (head := next_head(data, pos)) is not None:
         line, fields, end = head
-        if not line.split(b" ")[0].isalpha():
+        method = line.split(b" ")[0]
+        if not method.isalpha():
             break  # not the start of a request: the capture began inside one
         if is_chunked(fields):
             _, body_end = chunked_pieces(data, end)
@@ -209,13 +265,17 @@ def requests_of(flow):
         if body_end < 0 or body_end > len(data):
             break
         rid = fields.get(b"x-request-id")
-        out.append((rid.decode() if rid else None, flow.time_of(body_end - 1)))
+        out.append((rid.decode() if rid else None, method, flow.time_of(body_end - 1, last)))
         pos = body_end
     return out
 
 
-def events_of(flow):
-    """[[(event bytes, when its last byte was sent)] per response] in order; non-SSE answers give []."""
+EVENT_END = re.compile(rb"\r\n\r\n|\n\n|\r\r")
+
+
+def events_of(flow, methods, last):
+    """[[(event bytes, when its last byte was sent)] per response] in order, `methods` the requests'
+    on the connection (a HEAD's answer has no body); non-SSE answers give []."""
     data, pos, out = flow.data(), 0, []
     while (head := next_head(data, pos)) is not None:
         line, fields, end = head
@@ -226,14 +286,17 @@ def events_of(flow):
         if 100 <= status < 200:
             pos = end
             continue
-        if is_chunked(fields):
+        method = methods[len(out)] if len(out) < len(methods) else b""
+        if method == b"HEAD" or status in (204, 304):
+            pieces, body_end = [], end  # RFC 9112 §6.3: no body, whatever the fields say
+        elif is_chunked(fields):
             pieces, body_end = chunked_pieces(data, end)
         elif b"content-length" in fields:
             length = size_of(fields[b"content-length"])
             pieces, body_end = [(end, min(length, len(data) - end))], end + length
         else:
             pieces, body_end = [(end, len(data) - end)], len(data)
-        sse = fields.get(b"content-type", b"").startswith(b"text/event-stream")
+        sse = fields.get(b"content-type", b"").lower().startswith(b"text/event-stream")
         events = []
         if sse:
             body = b"".join(data[p:p + n] for p, n in pieces)
@@ -242,15 +305,12 @@ def events_of(flow):
                 starts.append(acc)
                 acc += n
             at = 0
-            while True:
-                sep = body.find(b"\n\n", at)
-                if sep < 0:
-                    break
-                last = sep + 1  # the event's final byte, mapped back to the wire
-                k = bisect.bisect_right(starts, last) - 1
-                raw = pieces[k][0] + last - starts[k]
-                events.append((body[at:sep], flow.time_of(raw)))
-                at = sep + 2
+            for sep in EVENT_END.finditer(body):
+                final = sep.end() - 1  # the event's final byte, mapped back to the wire
+                k = bisect.bisect_right(starts, final) - 1
+                raw = pieces[k][0] + final - starts[k]
+                events.append((body[at:sep.start()], flow.time_of(raw, last)))
+                at = sep.end()
         out.append(events)
         if body_end < 0 or body_end > len(data):
             break
@@ -260,7 +320,7 @@ def events_of(flow):
 
 def output_bearing(event):
     """An event that carries output: a choice with text, content, reasoning or tool calls."""
-    for line in event.split(b"\n"):
+    for line in event.splitlines():
         if not line.startswith(b"data:"):
             continue
         payload = line[5:].strip()
@@ -270,37 +330,45 @@ def output_bearing(event):
             obj = json.loads(payload)
         except ValueError:
             return False
-        for choice in obj.get("choices") or []:
-            delta = choice.get("delta") or {}
-            if choice.get("text") or delta.get("content") or delta.get("reasoning_content") or delta.get("tool_calls"):
+        choices = obj.get("choices") if isinstance(obj, dict) else None
+        for choice in choices if isinstance(choices, list) else []:
+            if not isinstance(choice, dict):
+                continue
+            delta = choice.get("delta") if isinstance(choice.get("delta"), dict) else {}
+            if choice.get("text") or any(delta.get(k) for k in ("content", "reasoning_content", "reasoning", "tool_calls")):
                 return True
     return False
 
 
-def legs(flows, port, unreadable=None):
-    """{x-request-id: (request sent, [(event, t)])} of the connections whose server side is `port`;
-    connections that cannot be read are counted in `unreadable` (a one-element list)."""
-    out, unmatched = {}, 0
-    for (src, sport, dst, dport), flow in flows.items():
+def legs(flows, port, to_proxy, counts):
+    """{x-request-id: (request sent, [(event, t)])} of the connections whose server side is `port`
+    (`to_proxy`: the proxy's own port, so its requests come in and its answers go out; a byte sent
+    twice counts from the copy that came in, the first that went out). Tallies in `counts`:
+    connections not readable as HTTP/1.x, requests without an answer, ids seen more than once (a
+    retry, a shadow copy: the answered attempt sent last is kept)."""
+    attempts = {}
+    for (src, sport, dst, dport, gen), flow in flows.items():
         if dport != port:
             continue
-        answers = flows.get((dst, dport, src, sport))
+        answers = flows.get((dst, dport, src, sport, gen))
         try:
-            reqs = requests_of(flow)
-            resps = events_of(answers) if answers else []
+            reqs = requests_of(flow, last=to_proxy)
+            resps = events_of(answers, [m for _, m, _ in reqs], last=not to_proxy) if answers else []
         except Unreadable:
-            if unreadable is not None:
-                unreadable[0] += 1
+            counts["unreadable"] += 1
             continue
-        for i, (rid, t) in enumerate(reqs):
+        for i, (rid, _, t) in enumerate(reqs):
             if rid is None:
                 continue  # health checks and scrapes
             if i >= len(resps):
-                unmatched += 1
+                counts["unanswered"] += 1
                 continue
-            # A retried request appears twice upstream: the last attempt is the one answered.
-            out[rid] = (t, resps[i])
-    return out, unmatched
+            attempts.setdefault(rid, []).append((t, resps[i]))
+    out = {}
+    for rid, tries in attempts.items():
+        counts["repeated_ids"] += len(tries) > 1
+        out[rid] = max(tries, key=lambda a: (bool(a[1]), a[0]))
+    return out
 
 
 def summary(xs):
@@ -328,12 +396,12 @@ def main():
     args = ap.parse_args()
     flows = {}
     packets = read_pcap(args.pcap, flows)
-    unreadable = [0]
-    client, client_unanswered = legs(flows, args.proxy_port, unreadable)
-    upstream, upstream_unanswered = legs(flows, args.replica_port, unreadable)
+    counts = {"unreadable": 0, "unanswered": 0, "repeated_ids": 0}
+    client = legs(flows, args.proxy_port, True, counts)
+    upstream = legs(flows, args.replica_port, False, counts)
     us = lambda ns: ns / 1000.0
     request_res, event_res, first_res, ttft_share, replica_ttft = [], [], [], [], []
-    events_unmatched, requests_unmatched = 0, 0
+    events_unmatched, requests_unmatched, no_first = 0, 0, 0
     slow = []  # (residence µs, when it came in ns, request id, event index)
     waits = []  # (residence ns, in, out) of every event
     for rid, (t_in, down) in client.items():
@@ -345,11 +413,13 @@ def main():
         j, first = 0, None
         first_up = next((k for k, (e, _) in enumerate(up) if output_bearing(e)), None)
         for event, t_down in down:
-            while j < len(up) and up[j][0] != event:
-                j += 1
-            if j == len(up):
-                events_unmatched += 1
-                break
+            k = j
+            while k < len(up) and up[k][0] != event:
+                k += 1
+            if k == len(up):
+                events_unmatched += 1  # one the proxy made or rewrote: the stream goes on
+                continue
+            j = k
             event_res.append(us(t_down - up[j][1]))
             waits.append((t_down - up[j][1], up[j][1], t_down))
             if args.slowest:
@@ -361,10 +431,14 @@ def main():
             first_res.append(us(first))
             ttft_share.append(us(t_out - t_in + first))
             replica_ttft.append(us(up[first_up][1] - t_out))
+        else:
+            no_first += 1
     # What the slowest events waited behind: the share of them whose time in the proxy spans the
     # moment it forwarded some request (its request path ran on the same core meanwhile), against
-    # the same share over all events.
+    # the share a hold of the same length would span by chance, forwards being a Poisson stream at
+    # the capture's mean rate: 1 - exp(-rate * hold).
     forwarded = sorted(t for t, _ in upstream.values())
+    rate = (len(forwarded) - 1) / max(forwarded[-1] - forwarded[0], 1) if len(forwarded) > 1 else 0.0
 
     def spans_a_forward(t_in, t_out):
         k = bisect.bisect_left(forwarded, t_in)
@@ -372,15 +446,18 @@ def main():
     cut = sorted(w[0] for w in waits)[int(0.99 * (len(waits) - 1))] if waits else 0
     tail = [w for w in waits if w[0] >= cut]
     share = lambda ws: sum(spans_a_forward(a, b) for _, a, b in ws) / len(ws) if ws else 0.0
+    chance = lambda ws: sum(1 - math.exp(-rate * w) for w, _, _ in ws) / len(ws) if ws else 0.0
     result = {
         "packets": packets, "dropped": args.dropped,
-        "broken_flows": sum(f.broken for f in flows.values()), "unreadable_connections": unreadable[0],
+        "broken_flows": sum(f.broken for f in flows.values()), "unreadable_connections": counts["unreadable"],
         "requests": len(request_res), "requests_unmatched": requests_unmatched,
-        "unanswered": client_unanswered + upstream_unanswered, "events_unmatched": events_unmatched,
+        "unanswered": counts["unanswered"], "events_unmatched": events_unmatched,
         "request_us": summary(request_res), "first_event_us": summary(first_res),
         "ttft_share_us": summary(ttft_share), "event_us": summary(event_res),
         "replica_ttft_us": summary(replica_ttft),
-        "slowest_1pct_spanning_a_forward": share(tail), "all_spanning_a_forward": share(waits),
+        "slowest_1pct_spanning_a_forward": share(tail), "slowest_1pct_by_chance": chance(tail),
+        "all_spanning_a_forward": share(waits), "resent_segments": sum(f.resent for f in flows.values()),
+        "requests_without_first_event": no_first, "repeated_ids": counts["repeated_ids"],
     }
     if args.json:
         with open(args.json, "w") as f:
@@ -388,18 +465,20 @@ def main():
     fmt = lambda s: (f"n {s['n']}, mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p90 {s['p90']:.1f}, p99 {s['p99']:.1f}, "
                      f"p99.9 {s['p999']:.1f}, max {s['max']:.1f} µs") if s["n"] else "none"
     print(f"{packets} packets ({args.dropped} dropped by the kernel, {result['broken_flows']} connection "
-          f"directions with a gap); {len(request_res)} requests matched across the legs "
-          f"({requests_unmatched} not, {result['unanswered']} unanswered), {events_unmatched} events unmatched, "
-          f"{unreadable[0]} connections not readable as HTTP/1.x")
+          f"directions with a gap, {result['resent_segments']} segments sent again); {len(request_res)} requests "
+          f"matched across the legs ({requests_unmatched} not, {result['unanswered']} unanswered, "
+          f"{result['repeated_ids']} ids sent more than once, {no_first} without a first output event), "
+          f"{events_unmatched} events unmatched, {counts['unreadable']} connections not readable as HTTP/1.x")
     print(f"request, client leg to replica leg: {fmt(result['request_us'])}")
     print(f"first output event, replica leg to client leg: {fmt(result['first_event_us'])}")
     print(f"the proxy's share of TTFT (the two above): {fmt(result['ttft_share_us'])}")
     print(f"every event, replica leg to client leg: {fmt(result['event_us'])}")
     print(f"the replica's TTFT on the wire (request in to first output event out): {fmt(result['replica_ttft_us'])}")
     print(f"events in the slowest 1% that spanned the forwarding of a request: "
-          f"{100 * result['slowest_1pct_spanning_a_forward']:.1f}% (all events: {100 * result['all_spanning_a_forward']:.1f}%)")
+          f"{100 * result['slowest_1pct_spanning_a_forward']:.1f}%, against {100 * result['slowest_1pct_by_chance']:.1f}% "
+          f"holds as long would span by chance (all events: {100 * result['all_spanning_a_forward']:.1f}%)")
     if slow:
-        start = min(min(f.times) for f in flows.values() if f.times)
+        start = min(min(f.first) for f in flows.values() if f.first)
         print(f"the {args.slowest} slowest events (µs held; s into the capture; request id; event index):")
         for res, t, rid, k in sorted(slow, reverse=True)[:args.slowest]:
             print(f"  {res:9.1f}  {(t - start) / 1e9:8.3f}  {rid}  {k}")
