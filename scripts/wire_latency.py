@@ -400,10 +400,9 @@ def main():
     client = legs(flows, args.proxy_port, True, counts)
     upstream = legs(flows, args.replica_port, False, counts)
     us = lambda ns: ns / 1000.0
-    request_res, event_res, first_res, ttft_share, replica_ttft = [], [], [], [], []
+    request_res, first_res, ttft_share, replica_ttft = [], [], [], []
     events_unmatched, requests_unmatched, no_first = 0, 0, 0
-    slow = []  # (residence µs, when it came in ns, request id, event index)
-    waits = []  # (residence ns, in, out) of every event
+    waits = []  # every matched event: (held ns, in, out, request id, index on the replica leg)
     for rid, (t_in, down) in client.items():
         if rid not in upstream:
             requests_unmatched += 1
@@ -420,10 +419,7 @@ def main():
                 events_unmatched += 1  # one the proxy made or rewrote: the stream goes on
                 continue
             j = k
-            event_res.append(us(t_down - up[j][1]))
-            waits.append((t_down - up[j][1], up[j][1], t_down))
-            if args.slowest:
-                slow.append((event_res[-1], up[j][1], rid, j))
+            waits.append((t_down - up[j][1], up[j][1], t_down, rid, j))
             if j == first_up and first is None:
                 first = t_down - up[j][1]
             j += 1
@@ -445,15 +441,15 @@ def main():
         return k < len(forwarded) and forwarded[k] <= t_out
     cut = sorted(w[0] for w in waits)[int(0.99 * (len(waits) - 1))] if waits else 0
     tail = [w for w in waits if w[0] >= cut]
-    share = lambda ws: sum(spans_a_forward(a, b) for _, a, b in ws) / len(ws) if ws else 0.0
-    chance = lambda ws: sum(1 - math.exp(-rate * w) for w, _, _ in ws) / len(ws) if ws else 0.0
+    share = lambda ws: sum(spans_a_forward(w[1], w[2]) for w in ws) / len(ws) if ws else 0.0
+    chance = lambda ws: sum(1 - math.exp(-rate * w[0]) for w in ws) / len(ws) if ws else 0.0
     result = {
         "packets": packets, "dropped": args.dropped,
         "broken_flows": sum(f.broken for f in flows.values()), "unreadable_connections": counts["unreadable"],
         "requests": len(request_res), "requests_unmatched": requests_unmatched,
         "unanswered": counts["unanswered"], "events_unmatched": events_unmatched,
         "request_us": summary(request_res), "first_event_us": summary(first_res),
-        "ttft_share_us": summary(ttft_share), "event_us": summary(event_res),
+        "ttft_share_us": summary(ttft_share), "event_us": summary([us(w[0]) for w in waits]),
         "replica_ttft_us": summary(replica_ttft),
         "slowest_1pct_spanning_a_forward": share(tail), "slowest_1pct_by_chance": chance(tail),
         "all_spanning_a_forward": share(waits), "resent_segments": sum(f.resent for f in flows.values()),
@@ -477,11 +473,11 @@ def main():
     print(f"events in the slowest 1% that spanned the forwarding of a request: "
           f"{100 * result['slowest_1pct_spanning_a_forward']:.1f}%, against {100 * result['slowest_1pct_by_chance']:.1f}% "
           f"holds as long would span by chance (all events: {100 * result['all_spanning_a_forward']:.1f}%)")
-    if slow:
+    if args.slowest and waits:
         start = min(min(f.first) for f in flows.values() if f.first)
         print(f"the {args.slowest} slowest events (µs held; s into the capture; request id; event index):")
-        for res, t, rid, k in sorted(slow, reverse=True)[:args.slowest]:
-            print(f"  {res:9.1f}  {(t - start) / 1e9:8.3f}  {rid}  {k}")
+        for held, t, _, rid, k in sorted(waits, key=lambda w: w[0], reverse=True)[:args.slowest]:
+            print(f"  {us(held):9.1f}  {(t - start) / 1e9:8.3f}  {rid}  {k}")
     if not request_res:
         sys.exit("no request was matched across the two legs: are the ports right, and does the proxy pass x-request-id on?")
 
