@@ -400,6 +400,9 @@ impl Headroom {
         path: &str,
         body: Bytes,
     ) -> Result<(), ProxyError> {
+        // The request has been read in one go (pingora's parse, the body): before inspecting it,
+        // chunks that came in meanwhile go out.
+        crate::forward::let_streams_through().await;
         // A body the inspector cannot read still goes to an engine, whose own error is the
         // authoritative one; it is routed without prefix information. A body that is not JSON at
         // all (or nests past serde_json's recursion limit) no engine could accept: refused here.
