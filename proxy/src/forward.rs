@@ -385,7 +385,8 @@ fn end_client_connection(session: &Session) {
 /// before its next one: the task steps back until the runtime has looked for ready sockets
 /// (tokio runs a yielded task again after its next poll of the I/O driver). Without it a chunk
 /// that arrives as a request comes in waits for the whole request path, about 100 µs of one
-/// core's work; with it, for one stage of it (benchmarks.md, "Streams first").
+/// core's work; with it, for one stage of it (benchmarks.md, "Streams first"). The request in
+/// turn waits for every task that was ready to run.
 pub(crate) async fn let_streams_through() {
     tokio::task::yield_now().await;
 }
@@ -484,6 +485,11 @@ impl Headroom {
         out: Outgoing<'_>,
         policy: &dyn RoutingPolicy,
     ) -> Result<Ended, ProxyError> {
+        // Inspected and classified in one go: chunks that came in meanwhile go out before the
+        // request is admitted, routed and written. Routing, the routing policy's record of the
+        // pick (on the write) and the write itself stay one step, so a request that arrives
+        // right behind this one routes with this one's prefix already recorded.
+        let_streams_through().await;
         let mut tried: Vec<usize> = Vec::new();
         let mut last_err: Option<ProxyError> = None;
         self.retry_budget.on_request(Instant::now());
@@ -650,9 +656,6 @@ impl Headroom {
             let uncached = out.route.prompt_tokens.saturating_sub(pick.matched_tokens);
             let mut guard = InFlight::new(backend.clone(), u64::from(uncached));
 
-            // Inspected, classified, admitted and routed in one go: chunks that came in meanwhile
-            // go out before the header is built and written.
-            let_streams_through().await;
             let now = Instant::now();
             ctx.dispatched.get_or_insert(now);
             ctx.sent = Some(now);
