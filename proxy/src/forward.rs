@@ -485,10 +485,11 @@ impl Headroom {
         out: Outgoing<'_>,
         policy: &dyn RoutingPolicy,
     ) -> Result<Ended, ProxyError> {
-        // Inspected and classified in one go: chunks that came in meanwhile go out before the
-        // request is admitted, routed and written. Routing, the routing policy's record of the
-        // pick (on the write) and the write itself stay one step, so a request that arrives
-        // right behind this one routes with this one's prefix already recorded.
+        // What came before ran in one go (a generation request's inspection and class, a
+        // pass-through's read): chunks that came in meanwhile go out before the request is
+        // admitted, routed and written. Routing, the routing policy's record of the pick (on the
+        // write) and the write itself stay one step, so a request that arrives right behind this
+        // one routes with this one's prefix already recorded.
         let_streams_through().await;
         let mut tried: Vec<usize> = Vec::new();
         let mut last_err: Option<ProxyError> = None;
