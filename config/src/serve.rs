@@ -732,6 +732,15 @@ pub struct AdmissionConfig {
     /// Once the oldest waiter of a priority has waited this long, the newest of that priority is
     /// served first (adaptive LIFO).
     pub lifo_after_ms: u64,
+    /// Prefill throughput of one replica, tokens/s. A request whose prefix-aware routing choice
+    /// (`prefix_affinity`, `kv_events`) is at its cap waits for room there, instead of going at
+    /// once to a replica with room, when that replica holds at least `prefix_wait_min_tokens` more
+    /// of its prompt; it waits at most as long as prefilling those tokens at this rate would take
+    /// elsewhere, then goes wherever there is room. 0: never waits for one replica.
+    pub prefill_tokens_per_s: f64,
+    /// Cached prompt tokens a request's routing choice must hold beyond the replica it would go to
+    /// instead for the request to wait for it (`prefill_tokens_per_s`).
+    pub prefix_wait_min_tokens: u32,
 }
 
 impl Default for AdmissionConfig {
@@ -752,6 +761,8 @@ impl Default for AdmissionConfig {
             min_cap: 1,
             max_cap: 4_096,
             lifo_after_ms: 500,
+            prefill_tokens_per_s: 20_000.0,
+            prefix_wait_min_tokens: 2_048,
         }
     }
 }
@@ -1568,6 +1579,23 @@ impl Validate for ServeConfig {
             a.min_cap,
             "must be at least 1 and at most max_cap",
         );
+        check(
+            e,
+            a.prefill_tokens_per_s == 0.0
+                || a.prefill_tokens_per_s.is_finite() && a.prefill_tokens_per_s >= 1.0,
+            &ap,
+            "prefill_tokens_per_s",
+            a.prefill_tokens_per_s,
+            "must be 0 (a request never waits for one replica) or a finite number ≥ 1",
+        );
+        check(
+            e,
+            a.prefill_tokens_per_s == 0.0 || a.prefix_wait_min_tokens >= 1,
+            &ap,
+            "prefix_wait_min_tokens",
+            a.prefix_wait_min_tokens,
+            "must be at least 1 (a request waits for a replica only for cached tokens it would lose elsewhere; prefill_tokens_per_s = 0 turns the wait off)",
+        );
         let backend_names: std::collections::HashSet<String> = self
             .backends
             .iter()
@@ -1854,6 +1882,29 @@ block_tokens = 0
         ] {
             assert!(err.contains(want), "missing {want:?} in\n{err}");
         }
+    }
+
+    #[test]
+    fn the_prefix_wait_needs_a_prefill_rate_and_a_gain() {
+        let with = |admission: &str| {
+            parse_toml::<ServeConfig>(
+                &format!("[[backends]]\nurl = \"http://127.0.0.1:8000\"\n[admission]\n{admission}"),
+                Path::new("h.toml"),
+            )
+        };
+        let err = with("prefill_tokens_per_s = 0.5").unwrap_err().to_string();
+        assert!(
+            err.contains("admission.prefill_tokens_per_s = 0.5: must be 0"),
+            "{err}"
+        );
+        let err = with("prefix_wait_min_tokens = 0").unwrap_err().to_string();
+        assert!(
+            err.contains("admission.prefix_wait_min_tokens = 0: must be at least 1"),
+            "{err}"
+        );
+        // Off, the threshold does not matter.
+        let c = with("prefill_tokens_per_s = 0\nprefix_wait_min_tokens = 0").unwrap();
+        assert_eq!(c.admission.prefill_tokens_per_s, 0.0);
     }
 
     #[test]

@@ -16,7 +16,7 @@ use pingora::protocols::http::client::HttpSession as UpstreamSession;
 use pingora::proxy::Session;
 use pingora::upstreams::peer::HttpPeer;
 
-use crate::admission::{Ask, Pick as AdmissionPick, Refusal, Room};
+use crate::admission::{self, Ask, Pick as AdmissionPick, Refusal, Room};
 use crate::app::{Headroom, RequestCtx};
 use crate::error::{ErrorKind, ProxyError};
 use crate::routing::{BackendView, RouteRequest, RoutingPolicy};
@@ -527,6 +527,16 @@ impl Headroom {
                         borrow_below: plan.borrow_below,
                     };
                     let mut chosen = None;
+                    // Picks that found no room before the one that admitted (the request queued).
+                    let mut no_room = 0u32;
+                    // What routing would have chosen without the caps, when that was elsewhere.
+                    let mut displaced: Option<(&'static str, u32, usize, usize)> = None;
+                    // Until when the request may wait for its routing choice at its cap (as long
+                    // as prefilling what it would lose elsewhere takes), once it started to; and
+                    // whether it did.
+                    let mut wait_until: Option<tokio::time::Instant> = None;
+                    let mut waited = false;
+                    let prefix_wait = &self.cfg.admission;
                     let acquired = {
                         let pick = |room: &[Room]| {
                             let route_start = Instant::now();
@@ -536,6 +546,27 @@ impl Headroom {
                             if !own.iter().chain(&borrowed).any(|v| v.healthy) {
                                 return Err(());
                             }
+                            // A prefix-aware policy's choice without the caps, only when a cap
+                            // takes a replica out (so the uncapped path routes once); `select`
+                            // of a history policy is pure, its record comes on the write.
+                            let uncapped = (policy.history().is_some()
+                                && own.iter().any(|v| v.healthy && !room[v.id].free))
+                            .then(|| policy.select(&out.route, &own).ok())
+                            .flatten();
+                            // That choice is at its cap, and the request has not waited for it
+                            // as long as it may yet.
+                            let home = uncapped.filter(|u| {
+                                !room[u.backend].free
+                                    && prefix_wait.prefill_tokens_per_s > 0.0
+                                    && wait_until.is_none_or(|t| tokio::time::Instant::now() < t)
+                            });
+                            let others = home.map(|h| {
+                                let mut v = own.clone();
+                                for x in &mut v {
+                                    x.healthy &= x.id != h.backend;
+                                }
+                                v
+                            });
                             // Own replicas with room first, then borrowed ones below their floor.
                             let mut picked = None;
                             for (mut views, borrowing) in [(own, false), (borrowed, true)] {
@@ -552,16 +583,62 @@ impl Headroom {
                                     break;
                                 }
                             }
+                            // Where it would go instead: the best replica with room, else the
+                            // best other one once it has room.
+                            let elsewhere = home.map(|_| {
+                                picked
+                                    .as_ref()
+                                    .map(|p| p.matched_tokens)
+                                    .or_else(|| {
+                                        others
+                                            .and_then(|v| policy.select(&out.route, &v).ok())
+                                            .map(|p| p.matched_tokens)
+                                    })
+                                    .unwrap_or(0)
+                            });
                             self.metrics
                                 .route_seconds
                                 .observe(route_start.elapsed().as_secs_f64());
+                            let wait = home.zip(elsewhere).and_then(|(h, elsewhere)| {
+                                let wait = admission::prefix_wait(
+                                    h.matched_tokens.saturating_sub(elsewhere),
+                                    prefix_wait.prefix_wait_min_tokens,
+                                    prefix_wait.prefill_tokens_per_s,
+                                    ask.timeout,
+                                )?;
+                                Some((h, wait))
+                            });
+                            if let Some((h, wait)) = wait {
+                                let until = *wait_until
+                                    .get_or_insert_with(|| tokio::time::Instant::now() + wait);
+                                waited = true;
+                                return Ok(AdmissionPick::WaitFor {
+                                    replica: h.backend,
+                                    until,
+                                });
+                            }
                             Ok(match picked {
                                 Some(p) => {
                                     let b = p.backend;
+                                    displaced = uncapped.filter(|u| u.backend != b).map(|u| {
+                                        let why = if waited {
+                                            "waited"
+                                        } else if no_room > 0 {
+                                            "queued"
+                                        } else {
+                                            "full"
+                                        };
+                                        let lost =
+                                            u.matched_tokens.saturating_sub(p.matched_tokens);
+                                        (why, lost, u.backend, b)
+                                    });
                                     chosen = Some(p);
                                     AdmissionPick::Backend(b)
                                 }
-                                None => AdmissionPick::NoRoom,
+                                None => {
+                                    no_room += 1;
+                                    AdmissionPick::NoRoom
+                                }
                             })
                         };
                         let _waiting = self.lifecycle.waiting_for_admission();
@@ -584,6 +661,32 @@ impl Headroom {
                             }
                         }
                     };
+                    if acquired.is_ok() && waited {
+                        self.metrics
+                            .prefix_waits
+                            .with_label_values(&[&ctx.pool])
+                            .inc();
+                    }
+                    if let (Ok(_), Some((why, tokens, chosen, went))) = (&acquired, displaced) {
+                        tracing::debug!(
+                            request_id = %ctx.request_id,
+                            pool = %ctx.pool,
+                            why,
+                            chosen = %self.fleet.backends[chosen].name,
+                            went = %self.fleet.backends[went].name,
+                            matched_tokens_lost = tokens,
+                            prompt_tokens = out.route.prompt_tokens,
+                            "admission displaced the request from its routing choice"
+                        );
+                        self.metrics
+                            .displaced
+                            .with_label_values(&[&ctx.pool, why])
+                            .inc();
+                        self.metrics
+                            .displaced_matched_tokens
+                            .with_label_values(&[&ctx.pool])
+                            .inc_by(u64::from(tokens));
+                    }
                     match (acquired, chosen) {
                         (Ok(permit), Some(pick)) => (pick, Some(permit)),
                         (Err(Err(())), _) => {

@@ -12,6 +12,10 @@
 //!                  else queue full  → Refused(queue_full, 429)
 //!                  else wait, woken when a permit is released or a cap rises; at the deadline
 //!                       → Refused(queue_timeout, 503)
+//!                  or the pick names one replica to wait for (WaitFor: the routing choice, at
+//!                  its cap, holds much more of the prompt than any with room): the request
+//!                  claims and is woken for that one alone until `until`, then picks anywhere;
+//!                  a slot there goes to such a waiter before others of its priority
 //! Permit::drop:    the replica's count falls and the next waiter that can take it is woken: one
 //!                  that claims it, or borrows it while it is below the borrower's floor; the
 //!                  first of the highest priority, or, once that one has waited longer than
@@ -62,6 +66,8 @@ struct Waiter {
     reach: Reach,
     /// A borrowed replica (in `reach`, not `claim`) is usable below this fraction of its cap.
     borrow_below: f64,
+    /// Waiting for this replica alone (`Pick::WaitFor`).
+    only: Option<usize>,
 }
 
 impl Waiter {
@@ -330,7 +336,18 @@ fn wake(g: &mut Inner, n: usize, target: For<'_>) {
         let Some((&first, w)) = waiters.iter().find(|(k, w)| eligible(k, w)) else {
             return;
         };
-        let key = if w.since.elapsed() > *lifo_after {
+        // A slot on the replica a waiter of this priority waits for alone goes to it first: the
+        // others could use any replica and lose nothing by taking the next slot elsewhere.
+        let only_here = match target {
+            For::Replica(b) => waiters
+                .range((first.0, 0)..=(first.0, u64::MAX))
+                .find(|(k, w)| w.only == Some(b) && eligible(k, w))
+                .map(|(k, _)| *k),
+            For::Any | For::PassedOn { .. } => None,
+        };
+        let key = if let Some(k) = only_here {
+            k
+        } else if w.since.elapsed() > *lifo_after {
             let priority = first.0;
             waiters
                 .range((priority, 0)..=(priority, u64::MAX))
@@ -423,6 +440,32 @@ pub enum Pick {
     Backend(usize),
     /// Healthy replicas exist but none of those with room suits.
     NoRoom,
+    /// Wait for room on this replica alone (the pick prefers it enough, a prefix it holds), until
+    /// `until`; then the pick is asked again and may go anywhere.
+    WaitFor {
+        /// The replica.
+        replica: usize,
+        /// When the wait for it ends.
+        until: tokio::time::Instant,
+    },
+}
+
+/// How long a request may wait for its routing choice while that replica is at its cap, when it
+/// holds `gain_tokens` more of the prompt than the replica the request would go to instead: as
+/// long as prefilling them at `prefill_tokens_per_s` would take there (waiting no longer costs
+/// the request nothing it would not pay elsewhere), if they are at least `min_tokens`; never past
+/// `timeout`. None: it goes elsewhere at once (`prefill_tokens_per_s` 0: never waits).
+pub fn prefix_wait(
+    gain_tokens: u32,
+    min_tokens: u32,
+    prefill_tokens_per_s: f64,
+    timeout: Duration,
+) -> Option<Duration> {
+    (prefill_tokens_per_s > 0.0 && gain_tokens >= min_tokens.max(1)).then(|| {
+        Duration::from_secs_f64(
+            (f64::from(gain_tokens) / prefill_tokens_per_s).min(timeout.as_secs_f64()),
+        )
+    })
 }
 
 impl Admission {
@@ -484,7 +527,7 @@ impl Admission {
         // Moved from a replaced admission's queue: already queued, never refused as queue_full.
         let mut moved = false;
         loop {
-            let rx = {
+            let (k, rx, only) = {
                 let mut g = adm.lock();
                 if let Some(next) = g
                     .successor
@@ -549,7 +592,8 @@ impl Admission {
                         }
                     })
                     .collect();
-                match pick(&room) {
+                // Waiting for room on one replica only (`Pick::WaitFor`), and until when.
+                let only = match pick(&room) {
                     Err(e) => return Err(Err(e)),
                     Ok(Pick::Backend(picked)) => {
                         let Some(b) = (picked < known).then(|| id(picked)).flatten() else {
@@ -572,8 +616,12 @@ impl Admission {
                             tokens: ask.tokens,
                         });
                     }
-                    Ok(Pick::NoRoom) => {}
-                }
+                    Ok(Pick::NoRoom) => None,
+                    Ok(Pick::WaitFor { replica, until }) => (replica < known)
+                        .then(|| id(replica))
+                        .flatten()
+                        .map(|b| (b, until)),
+                };
                 match woken {
                     // Woken for a slot this request cannot use after all (taken meanwhile, or one
                     // its pick refuses: an unhealthy or ejected replica, too few tokens left): the
@@ -613,20 +661,37 @@ impl Admission {
                     }
                 };
                 let (tx, rx) = oneshot::channel();
+                // Waiting for one replica, it claims and is woken for that one alone: it holds
+                // back no request that could go elsewhere.
+                let (claim, reach) = match only {
+                    Some((b, _)) => {
+                        let one: Reach = (0..g.slots.len()).map(|i| i == b).collect();
+                        (one.clone(), one)
+                    }
+                    None => (claim.clone(), reach.clone()),
+                };
                 g.waiters.insert(
                     k,
                     Waiter {
                         tx,
                         since: tokio::time::Instant::now(),
-                        claim: claim.clone(),
-                        reach: reach.clone(),
+                        claim,
+                        reach,
                         borrow_below: ask.borrow_below,
+                        only: only.map(|(b, _)| b),
                     },
                 );
-                rx
+                (k, rx, only)
             };
-            match tokio::time::timeout_at(deadline, rx).await {
+            let wake_by = only.map_or(deadline, |(_, until)| until.min(deadline));
+            match tokio::time::timeout_at(wake_by, rx).await {
                 Ok(hops) => woken = Some(hops.unwrap_or(0)),
+                Err(_) if wake_by < deadline => {
+                    // The wait for one replica is over: the request keeps its place and picks
+                    // again, anywhere. A wake that came as the wait ended was for it.
+                    let taken = adm.lock().waiters.remove(&k).is_none();
+                    woken = taken.then_some(0);
+                }
                 Err(_) => return Err(Ok(Refusal::QueueTimeout)),
             }
         }
@@ -1009,6 +1074,113 @@ mod tests {
         assert_eq!(waiting_b.await.unwrap().unwrap().backend, 2);
         drop(held_a);
         waiting_a.abort();
+    }
+
+    /// Takes replica 0 when it has room; while it has none, waits for it until `until`, and from
+    /// then on takes the first replica with room.
+    fn prefers_zero(until: tokio::time::Instant) -> impl FnMut(&[Room]) -> Result<Pick, ()> {
+        move |room: &[Room]| {
+            if room[0].free {
+                Ok(Pick::Backend(0))
+            } else if tokio::time::Instant::now() < until {
+                Ok(Pick::WaitFor { replica: 0, until })
+            } else {
+                first(room)
+            }
+        }
+    }
+
+    #[test]
+    fn a_request_waits_for_its_prefix_as_long_as_prefilling_it_elsewhere_would_take() {
+        let timeout = Duration::from_secs(30);
+        assert_eq!(
+            prefix_wait(20_000, 2_048, 20_000.0, timeout),
+            Some(Duration::from_secs(1))
+        );
+        assert_eq!(
+            prefix_wait(2_048, 2_048, 20_000.0, timeout),
+            Some(Duration::from_micros(102_400))
+        );
+        assert_eq!(
+            prefix_wait(2_047, 2_048, 20_000.0, timeout),
+            None,
+            "too little to wait for"
+        );
+        assert_eq!(
+            prefix_wait(0, 0, 20_000.0, timeout),
+            None,
+            "nothing to wait for"
+        );
+        assert_eq!(prefix_wait(90_000, 2_048, 0.0, timeout), None, "off");
+        assert_eq!(prefix_wait(4_000_000, 2_048, 1.0, timeout), Some(timeout));
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waiting_for_one_replica_holds_back_no_other_and_goes_elsewhere_after() {
+        let a = admission(2, 1);
+        let held = a.acquire(&ask("default", 0), first).await.unwrap();
+        assert_eq!(held.backend, 0);
+        let until = tokio::time::Instant::now() + Duration::from_secs(1);
+        let a2 = a.clone();
+        let waiting =
+            tokio::spawn(async move { a2.acquire(&ask("default", 0), prefers_zero(until)).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 1);
+        // A request behind it that can go anywhere takes replica 1: the waiter claims only 0.
+        let other = a.acquire(&ask("default", 0), first).await.unwrap();
+        assert_eq!(other.backend, 1);
+        // Replica 0 frees within the wait: the waiter gets it.
+        drop(held);
+        let home = waiting.await.unwrap().unwrap();
+        assert_eq!(home.backend, 0);
+        assert!(tokio::time::Instant::now() < until);
+
+        // Both full again; this time replica 1 frees first, and the waiter lets it be until its
+        // wait is over, then takes it.
+        let start = tokio::time::Instant::now();
+        let until = start + Duration::from_secs(1);
+        let a2 = a.clone();
+        let waiting =
+            tokio::spawn(async move { a2.acquire(&ask("default", 0), prefers_zero(until)).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(other);
+        tokio::time::sleep(Duration::from_millis(400)).await;
+        assert!(
+            !waiting.is_finished(),
+            "it waits for replica 0 until its wait ends"
+        );
+        let elsewhere = waiting.await.unwrap().unwrap();
+        assert_eq!(elsewhere.backend, 1);
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        assert_eq!(a.queued().values().sum::<usize>(), 0, "it left the queue");
+        drop((home, elsewhere));
+        assert_eq!(a.slots(), vec![(Some(1), 0), (Some(1), 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_slot_goes_first_to_the_waiter_that_waits_for_that_replica_alone() {
+        let a = admission(2, 1);
+        let on_0 = a.acquire(&ask("default", 0), first).await.unwrap();
+        let on_1 = a.acquire(&ask("default", 0), first).await.unwrap();
+        // One request that can go anywhere waits, then one that waits for replica 0 alone.
+        let a2 = a.clone();
+        let anywhere = tokio::spawn(async move { a2.acquire(&ask("default", 0), first).await });
+        tokio::task::yield_now().await;
+        let until = tokio::time::Instant::now() + Duration::from_secs(4);
+        let a3 = a.clone();
+        let for_0 =
+            tokio::spawn(async move { a3.acquire(&ask("default", 0), prefers_zero(until)).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 2);
+        // Replica 0 frees: the one waiting for it gets it, though the other waited longer.
+        drop(on_0);
+        let home = for_0.await.unwrap().unwrap();
+        assert_eq!(home.backend, 0);
+        tokio::task::yield_now().await;
+        assert!(!anywhere.is_finished());
+        drop(on_1);
+        assert_eq!(anywhere.await.unwrap().unwrap().backend, 1);
+        drop(home);
     }
 
     #[tokio::test(start_paused = true)]

@@ -101,6 +101,12 @@ pub struct Metrics {
     pub refused: IntCounterVec,
     /// Admission cap changes, by backend and direction.
     pub cap_changes: IntCounterVec,
+    /// Requests admission sent away from the replica routing chose for them, by pool and why.
+    pub displaced: IntCounterVec,
+    /// Prompt tokens the replicas routing chose held beyond the ones the displaced requests got.
+    pub displaced_matched_tokens: IntCounterVec,
+    /// Admitted requests that waited for their routing choice at its cap, by pool.
+    pub prefix_waits: IntCounterVec,
     admission: AdmissionGauges,
     /// Time spent routing (inspection excluded).
     pub route_seconds: Histogram,
@@ -496,6 +502,21 @@ impl Metrics {
                 "Admission cap changes, by direction (raised, cut) and reason (feedback: the engine's gauges; context: the planned cap moved with the length of the replica's requests).",
                 &["backend", "direction", "reason"],
             ),
+            displaced: counter(
+                "headroom_admission_displaced_total",
+                "Generation requests sent to another replica than the one the prefix-aware routing policy chose for them, because that one was at its admission cap: why = full (went at once to one with room) or queued (waited, then took the first slot that freed).",
+                &["pool", "why"],
+            ),
+            displaced_matched_tokens: counter(
+                "headroom_admission_displaced_matched_tokens_total",
+                "Prompt tokens the replica routing chose was expected to hold cached beyond what the replica a displaced request went to holds: prefill the admission caps cost.",
+                &["pool"],
+            ),
+            prefix_waits: counter(
+                "headroom_admission_prefix_waits_total",
+                "Admitted requests that waited for their routing choice at its cap because it holds at least admission.prefix_wait_min_tokens more of their prompt, at most as long as prefilling those would take at admission.prefill_tokens_per_s (those that then went elsewhere are displaced_total{why=\"waited\"}).",
+                &["pool"],
+            ),
             admission: AdmissionGauges {
                 cap: fgauge(
                     "headroom_admission_cap",
@@ -739,6 +760,9 @@ impl Metrics {
             Box::new(m.capture_skipped.clone()),
             Box::new(m.refused.clone()),
             Box::new(m.cap_changes.clone()),
+            Box::new(m.displaced.clone()),
+            Box::new(m.displaced_matched_tokens.clone()),
+            Box::new(m.prefix_waits.clone()),
             Box::new(m.admission.cap.clone()),
             Box::new(m.admission.admitted.clone()),
             Box::new(m.admission.queued.clone()),
