@@ -536,6 +536,8 @@ impl Headroom {
                     // whether it did.
                     let mut wait_until: Option<tokio::time::Instant> = None;
                     let mut waited = false;
+                    // Times the pick was asked (more than once: the request waited).
+                    let mut picks = 0u32;
                     let prefix_wait = &self.cfg.admission;
                     let acquired = {
                         let pick = |room: &[Room]| {
@@ -557,6 +559,7 @@ impl Headroom {
                             // as long as it may yet.
                             let home = uncapped.filter(|u| {
                                 !room[u.backend].free
+                                    && attempt == 0
                                     && prefix_wait.prefill_tokens_per_s > 0.0
                                     && wait_until.is_none_or(|t| tokio::time::Instant::now() < t)
                             });
@@ -608,13 +611,24 @@ impl Headroom {
                                 )?;
                                 Some((h, wait))
                             });
+                            picks += 1;
                             if let Some((h, wait)) = wait {
                                 let until = *wait_until
                                     .get_or_insert_with(|| tokio::time::Instant::now() + wait);
+                                // Admission may send it to the replica with room at once after
+                                // all (no place in the queue, no time left): that is a
+                                // displacement like any other.
+                                displaced = picked.map(|p| {
+                                    let why = if waited { "waited" } else { "full" };
+                                    let lost = h.matched_tokens.saturating_sub(p.matched_tokens);
+                                    (why, lost, h.backend, p.backend)
+                                });
+                                chosen = picked;
                                 waited = true;
                                 return Ok(AdmissionPick::WaitFor {
                                     replica: h.backend,
                                     until,
+                                    instead: picked.map(|p| p.backend),
                                 });
                             }
                             Ok(match picked {
@@ -661,13 +675,17 @@ impl Headroom {
                             }
                         }
                     };
-                    if acquired.is_ok() && waited {
+                    // Counted per request, as the routed tokens are: a retry is admitted again.
+                    let first_attempt = attempt == 0;
+                    if acquired.is_ok() && waited && picks > 1 && first_attempt {
                         self.metrics
                             .prefix_waits
                             .with_label_values(&[&ctx.pool])
                             .inc();
                     }
-                    if let (Ok(_), Some((why, tokens, chosen, went))) = (&acquired, displaced) {
+                    if let (Ok(_), Some((why, tokens, chosen, went)), true) =
+                        (&acquired, displaced, first_attempt)
+                    {
                         tracing::debug!(
                             request_id = %ctx.request_id,
                             pool = %ctx.pool,

@@ -447,6 +447,10 @@ pub enum Pick {
         replica: usize,
         /// When the wait for it ends.
         until: tokio::time::Instant,
+        /// The replica with room it would take instead (None: none has room): taken at once
+        /// when it cannot wait (its class's queue is full, its deadline came, a reload dropped
+        /// the replica).
+        instead: Option<usize>,
     },
 }
 
@@ -526,6 +530,8 @@ impl Admission {
         let mut woken: Option<u8> = None;
         // Moved from a replaced admission's queue: already queued, never refused as queue_full.
         let mut moved = false;
+        // The deadline came while it waited for one replica: one more pick, then refused.
+        let mut last_chance = false;
         loop {
             let (k, rx, only) = {
                 let mut g = adm.lock();
@@ -592,35 +598,60 @@ impl Admission {
                         }
                     })
                     .collect();
-                // Waiting for room on one replica only (`Pick::WaitFor`), and until when.
-                let only = match pick(&room) {
+                let picked = match pick(&room) {
                     Err(e) => return Err(Err(e)),
-                    Ok(Pick::Backend(picked)) => {
-                        let Some(b) = (picked < known).then(|| id(picked)).flatten() else {
-                            return Err(Ok(Refusal::QueueTimeout));
-                        };
-                        g.slots[b].take(ask.tokens);
-                        if let Some(mut e) = entry.take() {
-                            // Left the queue here, under the lock already held.
-                            e.armed = false;
-                            release_queue_entry(&mut g, ask.class);
-                            // Others may fit where this one did not.
-                            wake(&mut g, 1, For::Any);
+                    Ok(p) => p,
+                };
+                let here_id = |r: usize| (r < known).then(|| id(r)).flatten();
+                // A replica to take now, and a replica to wait for alone (`Pick::WaitFor`), until
+                // when.
+                let (admit, only) = match picked {
+                    Pick::Backend(p) => match here_id(p) {
+                        Some(b) => (Some(b), None),
+                        None => return Err(Ok(Refusal::QueueTimeout)),
+                    },
+                    Pick::NoRoom => (None, None),
+                    Pick::WaitFor {
+                        replica,
+                        until,
+                        instead,
+                    } => {
+                        let instead = instead.and_then(here_id);
+                        let no_place = entry.is_none()
+                            && !moved
+                            && g.queued_by_class.get(ask.class).copied().unwrap_or(0)
+                                >= ask.max_queue;
+                        match here_id(replica) {
+                            Some(b) if !no_place && !last_chance => (None, Some((b, until))),
+                            // No place in the queue, no time left, or the replica is gone (a
+                            // reload dropped it): where there is room now, if anywhere.
+                            _ => (instead, None),
                         }
-                        let onward = g.onward(b);
-                        drop(g);
-                        carry_on(onward, true, ask.tokens);
-                        return Ok(Permit {
-                            admission: adm.clone(),
-                            backend: b,
-                            tokens: ask.tokens,
-                        });
                     }
-                    Ok(Pick::NoRoom) => None,
-                    Ok(Pick::WaitFor { replica, until }) => (replica < known)
-                        .then(|| id(replica))
-                        .flatten()
-                        .map(|b| (b, until)),
+                };
+                if let Some(b) = admit {
+                    g.slots[b].take(ask.tokens);
+                    if let Some(mut e) = entry.take() {
+                        // Left the queue here, under the lock already held.
+                        e.armed = false;
+                        release_queue_entry(&mut g, ask.class);
+                        // Others may fit where this one did not.
+                        wake(&mut g, 1, For::Any);
+                    }
+                    let onward = g.onward(b);
+                    drop(g);
+                    carry_on(onward, true, ask.tokens);
+                    return Ok(Permit {
+                        admission: adm.clone(),
+                        backend: b,
+                        tokens: ask.tokens,
+                    });
+                }
+                // What it holds back from the requests behind it: its pool's replicas, or, waiting
+                // for one replica, that one alone.
+                let holds: Reach = match only {
+                    Some((b, _)) => (0..g.slots.len()).map(|i| i == b).collect(),
+                    None => claim.clone(),
                 };
                 match woken {
                     // Woken for a slot this request cannot use after all (taken meanwhile, or one
@@ -630,7 +661,7 @@ impl Admission {
                         &mut g,
                         1,
                         For::PassedOn {
-                            claim: &claim,
+                            claim: &holds,
                             priority: ask.priority,
                             hops: hops + 1,
                         },
@@ -640,6 +671,9 @@ impl Admission {
                     // is coming for it.
                     None if passed_over => wake(&mut g, 1, For::Any),
                     None => {}
+                }
+                if last_chance {
+                    return Err(Ok(Refusal::QueueTimeout));
                 }
                 let k = match &entry {
                     Some(e) => e.key,
@@ -663,19 +697,17 @@ impl Admission {
                 let (tx, rx) = oneshot::channel();
                 // Waiting for one replica, it claims and is woken for that one alone: it holds
                 // back no request that could go elsewhere.
-                let (claim, reach) = match only {
-                    Some((b, _)) => {
-                        let one: Reach = (0..g.slots.len()).map(|i| i == b).collect();
-                        (one.clone(), one)
-                    }
-                    None => (claim.clone(), reach.clone()),
+                let reach = if only.is_some() {
+                    holds.clone()
+                } else {
+                    reach.clone()
                 };
                 g.waiters.insert(
                     k,
                     Waiter {
                         tx,
                         since: tokio::time::Instant::now(),
-                        claim,
+                        claim: holds,
                         reach,
                         borrow_below: ask.borrow_below,
                         only: only.map(|(b, _)| b),
@@ -686,11 +718,13 @@ impl Admission {
             let wake_by = only.map_or(deadline, |(_, until)| until.min(deadline));
             match tokio::time::timeout_at(wake_by, rx).await {
                 Ok(hops) => woken = Some(hops.unwrap_or(0)),
-                Err(_) if wake_by < deadline => {
+                Err(_) if only.is_some() => {
                     // The wait for one replica is over: the request keeps its place and picks
-                    // again, anywhere. A wake that came as the wait ended was for it.
+                    // again, anywhere (at its deadline, once more before it is refused). A wake
+                    // that came as the wait ended was for it.
                     let taken = adm.lock().waiters.remove(&k).is_none();
                     woken = taken.then_some(0);
+                    last_chance = tokio::time::Instant::now() >= deadline;
                 }
                 Err(_) => return Err(Ok(Refusal::QueueTimeout)),
             }
@@ -1083,7 +1117,11 @@ mod tests {
             if room[0].free {
                 Ok(Pick::Backend(0))
             } else if tokio::time::Instant::now() < until {
-                Ok(Pick::WaitFor { replica: 0, until })
+                Ok(Pick::WaitFor {
+                    replica: 0,
+                    until,
+                    instead: room.iter().position(|r| r.free),
+                })
             } else {
                 first(room)
             }
@@ -1155,6 +1193,46 @@ mod tests {
         assert_eq!(a.queued().values().sum::<usize>(), 0, "it left the queue");
         drop((home, elsewhere));
         assert_eq!(a.slots(), vec![(Some(1), 0), (Some(1), 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_that_cannot_wait_for_its_replica_takes_the_one_with_room() {
+        let a = admission(2, 1);
+        let on_0 = a.acquire(&ask("default", 0), first).await.unwrap();
+        let later = tokio::time::Instant::now() + Duration::from_secs(10);
+        // No place in its class's queue: replica 1, at once, not a 429.
+        let no_queue = Ask {
+            max_queue: 0,
+            ..ask("default", 0)
+        };
+        let on_1 = a.acquire(&no_queue, prefers_zero(later)).await.unwrap();
+        assert_eq!(on_1.backend, 1);
+        drop(on_1);
+        // Its deadline (1 s) comes before the wait would end: at the deadline it takes replica 1,
+        // which freed meanwhile, instead of a 503.
+        let on_1 = a.acquire(&ask("default", 0), first).await.unwrap();
+        let start = tokio::time::Instant::now();
+        let short = Ask {
+            timeout: Duration::from_secs(1),
+            ..ask("default", 0)
+        };
+        let a2 = a.clone();
+        let waiting = tokio::spawn(async move { a2.acquire(&short, prefers_zero(later)).await });
+        tokio::time::sleep(Duration::from_millis(500)).await;
+        drop(on_1);
+        let at_deadline = waiting.await.unwrap().unwrap();
+        assert_eq!(at_deadline.backend, 1);
+        assert_eq!(start.elapsed(), Duration::from_secs(1));
+        // With no room anywhere at the deadline it is refused as before.
+        let a3 = a.clone();
+        let short = Ask {
+            timeout: Duration::from_secs(1),
+            ..ask("default", 0)
+        };
+        let refused = a3.acquire(&short, prefers_zero(later)).await;
+        assert_eq!(refused.err(), Some(Ok(Refusal::QueueTimeout)));
+        assert_eq!(a.queued().values().sum::<usize>(), 0);
+        drop((on_0, at_deadline));
     }
 
     #[tokio::test(start_paused = true)]

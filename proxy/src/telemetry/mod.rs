@@ -504,7 +504,7 @@ impl Metrics {
             ),
             displaced: counter(
                 "headroom_admission_displaced_total",
-                "Generation requests sent to another replica than the one the prefix-aware routing policy chose for them, because that one was at its admission cap: why = full (went at once to one with room) or queued (waited, then took the first slot that freed).",
+                "Generation requests sent to another replica than the one the prefix-aware routing policy chose for them, because that one had no room (at its admission cap, or held for a waiter ahead): why = full (went at once to one with room), queued (waited in the queue, then took the first slot that freed) or waited (waited for that replica, then went where there was room). Counted once per request (its first attempt).",
                 &["pool", "why"],
             ),
             displaced_matched_tokens: counter(
