@@ -4,7 +4,10 @@
 # from cold prefix caches. Records, per policy: the replicas' own prefix-cache hit rate beside the
 # trace's ideal (one LRU cache as large as the whole fleet's), TTFT p50/p99, TPOT p99, goodput and
 # load imbalance (max/mean of each replica's time-averaged in-flight requests, from the proxy's
-# headroom_backend_in_flight_seconds_total). Loopback only; bounded by ROWS.
+# headroom_backend_in_flight_seconds_total). For the prefix-aware policies, the proxy's capture
+# (OUT/<policy>/capture.jsonl, the engines reporting prompt_tokens_details) also says how much of the
+# prompts its index expected the chosen replicas to hold, against what they found. Loopback only;
+# bounded by ROWS.
 #
 #   ROWS=1000 TIME_SCALE=1 scripts/bench-routing.sh       # ~6 minutes per policy
 # Each run's proxy config is written beside its results (headroom.toml).
@@ -30,7 +33,7 @@ sed -n "$((START + 1)),$((START + ROWS))p" "$TRACE" >"$slice"
 
 source scripts/bench-common.sh
 
-start_sims 4 "$OUT/sims.url" --profile llama-3.1-8b --gpu h100
+start_sims 4 "$OUT/sims.url" --profile llama-3.1-8b --gpu h100 --enable-prompt-tokens-details
 urls=$(paste -sd, "$OUT/sims.url")
 
 for policy in $POLICIES; do
@@ -42,7 +45,9 @@ for policy in $POLICIES; do
     echo 'admin_listen = "127.0.0.1:0"'
     for u in $(cat "$OUT/sims.url"); do printf '[[backends]]\nurl = "%s"\n' "$u"; done
     printf '[routing]\npolicy = "%s"\n%b\n' "$policy" "$ROUTING_EXTRA"
+    printf '[capture]\npath = "%s"\n' "$dir/capture.jsonl"
   } >"$dir/headroom.toml"
+  rm -f "$dir/capture.jsonl"
   $bin serve --config "$dir/headroom.toml" >"$dir/serve.url" 2>"$dir/serve.log" &
   serve=$!
   wait_line "$dir/serve.log" "admin http"
@@ -89,6 +94,25 @@ for p, hit, ideal, unb, s, imb in rows:
                  f"{s['tpot']['p99_ms']:.1f} | {s['goodput']['requests_per_s']:.2f} | {imb:.2f} | {s['failed']} |")
 lines.append("")
 lines.append(f"ideal hit rate (one LRU cache of the fleet's combined KV capacity): {100*rows[0][2]:.1f}%; unbounded cache: {100*rows[0][3]:.1f}%")
+for p in policies:
+    # What the proxy's prefix index expected the chosen replicas to hold, against what the
+    # engines found (requests answered, first choice kept).
+    pred = found = prompt = short = short_tokens = 0
+    try:
+        records = [json.loads(l) for l in open(f"{out}/{p}/capture.jsonl")]
+    except OSError:
+        continue
+    for r in records:
+        if r.get("status") != 200 or "predicted_cached_tokens" not in r or "cached_tokens" not in r:
+            continue
+        e, f = r["predicted_cached_tokens"], r["cached_tokens"]
+        pred, found, prompt = pred + e, found + f, prompt + r["input_length"]
+        if f < e:
+            short, short_tokens = short + 1, short_tokens + e - f
+    if prompt:
+        lines.append(f"{p}: the index expected {100*pred/prompt:.1f}% of prompt tokens cached where it sent them, "
+                     f"the replicas found {100*found/prompt:.1f}%; {short} requests found less than expected "
+                     f"({short_tokens:,} tokens)")
 if rr_p99:
     pa = next((r for r in rows if r[0] == "prefix_affinity"), None)
     if pa:

@@ -147,6 +147,8 @@ pub struct RequestCtx {
     pub route: &'static str,
     /// The replica that answered, if one did.
     pub backend: Option<String>,
+    /// Prompt tokens a prefix-aware policy expected its first choice of replica to hold cached.
+    pub predicted_cached_tokens: Option<u32>,
     /// The status sent to the client.
     pub status: u16,
     /// The response header has been sent.
@@ -759,6 +761,7 @@ impl ProxyHttp for Headroom {
             start: Instant::now(),
             route: "unknown",
             backend: None,
+            predicted_cached_tokens: None,
             status: 0,
             response_started: false,
             request_id: String::new(),

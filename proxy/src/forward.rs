@@ -761,6 +761,10 @@ impl Headroom {
                 }
             };
             let backend = self.fleet.backends[pick.backend].clone();
+            if attempt == 0 {
+                ctx.predicted_cached_tokens =
+                    policy.history().is_some().then_some(pick.matched_tokens);
+            }
             if attempt == 0 && out.record {
                 self.metrics
                     .routed_prompt_tokens

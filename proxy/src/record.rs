@@ -156,6 +156,8 @@ pub struct Outcome<'a> {
     pub class: &'a str,
     /// The replica that answered.
     pub backend: Option<&'a str>,
+    /// Prompt tokens a prefix-aware policy expected the replica first chosen to hold cached.
+    pub predicted_cached_tokens: Option<u32>,
     /// A shadow copy, and how its output compared.
     pub shadow: Option<ShadowFields>,
     /// The request id.
@@ -340,6 +342,7 @@ impl Recorder {
                 (!completed).then(|| if o.status == 499 { "abort" } else { "error" }.to_owned())
             }),
             cached_tokens: timing.usage.and_then(|u| u.cached_tokens),
+            predicted_cached_tokens: o.predicted_cached_tokens.map(u64::from),
             good: Some(verdict == Verdict::Good),
             shadow: o.shadow,
         };
@@ -392,6 +395,7 @@ impl Headroom {
             pool: &ctx.pool,
             class: &ctx.class,
             backend: ctx.backend.as_deref(),
+            predicted_cached_tokens: ctx.predicted_cached_tokens,
             shadow: None,
             request_id: &ctx.request_id,
             arrival: ctx.arrival,

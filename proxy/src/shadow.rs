@@ -342,6 +342,7 @@ impl Shadows {
             pool: &shadow.target,
             class: &copy.class,
             backend: Some(&backend.name),
+            predicted_cached_tokens: None,
             shadow: Some(fields),
             request_id: &copy.request_id,
             arrival: copy.arrival,

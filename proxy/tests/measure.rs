@@ -269,3 +269,69 @@ async fn an_error_answer_takes_no_ttft() {
     p.shutdown().await;
     r.shutdown().await.unwrap();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_capture_sets_what_routing_expected_cached_beside_what_the_engine_found() {
+    let r = sim(1, 1, &["--enable-prompt-tokens-details"]).await;
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let path = scratch.path().join("t.jsonl");
+    let p = proxy(&[r.url()], Some(&path)).await;
+    let c = reqwest::Client::new();
+    let history: String = (0..3_000).map(|i| format!(" turn{i}")).collect();
+    let ask = |turn: &str, stream: bool| {
+        json!({"model": MODEL, "max_tokens": 2, "stream": stream,
+               "messages": [{"role": "user", "content": history}, {"role": "user", "content": turn}]})
+    };
+    // The same conversation twice, one after the other: the second finds the first's prefix.
+    let mut bodies = Vec::new();
+    for (id, body) in [("first", ask("a", false)), ("second", ask("b", false))] {
+        let resp = c
+            .post(format!("http://{}/v1/chat/completions", p.addr))
+            .header("x-request-id", id)
+            .json(&body)
+            .send()
+            .await
+            .unwrap();
+        bodies.push(resp.json::<Value>().await.unwrap());
+    }
+    // A stream whose client asked for no usage still gets none, though the proxy reads it.
+    let streamed = c
+        .post(format!("http://{}/v1/chat/completions", p.addr))
+        .header("x-request-id", "streamed")
+        .json(&ask("c", true))
+        .send()
+        .await
+        .unwrap()
+        .text()
+        .await
+        .unwrap();
+    assert!(!streamed.contains("usage"), "{streamed}");
+    assert!(p.flush_capture().await);
+    let records = read_capture(&path);
+    let by_id = |id: &str| {
+        records
+            .iter()
+            .find(|x| x.request_id.as_deref() == Some(id))
+            .unwrap()
+    };
+    let (first, second, third) = (by_id("first"), by_id("second"), by_id("streamed"));
+    assert_eq!(first.cached_tokens, Some(0), "{first:?}");
+    assert_eq!(first.predicted_cached_tokens, Some(0), "{first:?}");
+    for (rec, body) in [(first, &bodies[0]), (second, &bodies[1])] {
+        assert_eq!(
+            rec.cached_tokens,
+            body["usage"]["prompt_tokens_details"]["cached_tokens"].as_u64(),
+            "the record says what the client was told: {body}"
+        );
+    }
+    for rec in [second, third] {
+        let (found, expected) = (
+            rec.cached_tokens.unwrap(),
+            rec.predicted_cached_tokens.unwrap(),
+        );
+        assert!(found > 1_000 && expected > 1_000, "{rec:?}");
+        assert!(found < u64::from(rec.input_length), "{rec:?}");
+    }
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}

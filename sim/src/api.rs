@@ -22,17 +22,32 @@ pub struct Usage {
     pub prompt: u32,
     /// Generated tokens.
     pub completion: u32,
+    /// Prompt tokens served from the prefix cache, reported with `--enable-prompt-tokens-details`
+    /// (vLLM's `prompt_tokens_details.cached_tokens`).
+    pub cached: Option<u32>,
 }
 
 impl Usage {
-    /// `{"prompt_tokens":…,"total_tokens":…,"completion_tokens":…}` (vLLM's key order).
+    /// `{"prompt_tokens":…,"total_tokens":…,"completion_tokens":…}` (vLLM's key order), then
+    /// `"prompt_tokens_details":{"cached_tokens":…}` when the details are on.
     pub fn json(self) -> String {
+        let details = self.cached.map_or_else(String::new, |n| {
+            format!(r#","prompt_tokens_details":{{"cached_tokens":{n}}}"#)
+        });
         format!(
-            r#"{{"prompt_tokens":{},"total_tokens":{},"completion_tokens":{}}}"#,
+            r#"{{"prompt_tokens":{},"total_tokens":{},"completion_tokens":{}{details}}}"#,
             self.prompt,
             self.prompt + self.completion,
             self.completion
         )
+    }
+
+    /// The same counts without the prompt details (vLLM puts them in the final usage only).
+    fn counts(self) -> Self {
+        Self {
+            cached: None,
+            ..self
+        }
     }
 }
 
@@ -80,7 +95,7 @@ impl ChunkWriter {
 
     fn usage_field(&self, usage: Usage) -> String {
         if self.continuous_usage {
-            format!(r#","usage":{}"#, usage.json())
+            format!(r#","usage":{}"#, usage.counts().json())
         } else {
             String::new()
         }
@@ -94,7 +109,7 @@ impl ChunkWriter {
             self.role,
             self.usage_field(Usage {
                 prompt: prompt_tokens,
-                completion: 0
+                ..Usage::default()
             })
         )
     }
@@ -154,7 +169,7 @@ pub fn full_response(endpoint: Endpoint, text: &str, c: &Completed<'_>) -> Value
         "prompt_tokens": c.usage.prompt,
         "total_tokens": c.usage.prompt + c.usage.completion,
         "completion_tokens": c.usage.completion,
-        "prompt_tokens_details": null,
+        "prompt_tokens_details": c.usage.cached.map(|n| json!({ "cached_tokens": n })),
         "completion_tokens_details": null,
     });
     match endpoint {
@@ -245,7 +260,8 @@ mod tests {
         assert_eq!(
             w.usage_chunk(Usage {
                 prompt: 12,
-                completion: 3
+                completion: 3,
+                cached: None,
             }),
             r#"{"id":"chatcmpl-X","object":"chat.completion.chunk","created":7,"model":"M","choices":[],"usage":{"prompt_tokens":12,"total_tokens":15,"completion_tokens":3}}"#
         );
@@ -265,7 +281,8 @@ mod tests {
         assert_eq!(
             w.usage_chunk(Usage {
                 prompt: 1,
-                completion: 2
+                completion: 2,
+                cached: None,
             }),
             r#"{"id":"cmpl-X","object":"text_completion","created":7,"model":"M","choices":[],"usage":{"prompt_tokens":1,"total_tokens":3,"completion_tokens":2}}"#
         );
@@ -283,6 +300,7 @@ mod tests {
             usage: Usage {
                 prompt: 12,
                 completion: 5,
+                cached: None,
             },
         };
         let chat = full_response(Endpoint::Chat, "Hi", &c).to_string();
@@ -313,6 +331,48 @@ mod tests {
     }
 
     #[test]
+    fn cached_tokens_appear_in_the_final_usage_only_when_the_details_are_on() {
+        let usage = Usage {
+            prompt: 1024,
+            completion: 2,
+            cached: Some(512),
+        };
+        let w = ChunkWriter::new(Endpoint::Chat, "c", 1, "m", "assistant", true);
+        assert!(
+            w.usage_chunk(usage).ends_with(
+                r#""usage":{"prompt_tokens":1024,"total_tokens":1026,"completion_tokens":2,"prompt_tokens_details":{"cached_tokens":512}}}"#
+            ),
+            "{}",
+            w.usage_chunk(usage)
+        );
+        // vLLM's per-chunk usage carries the counts alone.
+        let chunk = w.token_chunk("x", None, usage);
+        assert!(!chunk.contains("prompt_tokens_details"), "{chunk}");
+        let c = Completed {
+            id: "cmpl-1",
+            created: 5,
+            model: "m",
+            fingerprint: "f",
+            role: "assistant",
+            finish: "stop",
+            usage,
+        };
+        let body = full_response(Endpoint::Completions, "x", &c);
+        assert_eq!(body["usage"]["prompt_tokens_details"]["cached_tokens"], 512);
+        let off = Completed {
+            usage: Usage {
+                cached: None,
+                ..usage
+            },
+            ..c
+        };
+        assert!(
+            full_response(Endpoint::Completions, "x", &off)["usage"]["prompt_tokens_details"]
+                .is_null()
+        );
+    }
+
+    #[test]
     fn continuous_usage_rides_on_every_chunk_and_json_stays_valid() {
         let w = ChunkWriter::new(Endpoint::Chat, "a\"b", 1, "m", "assistant", true);
         for chunk in [
@@ -323,6 +383,7 @@ mod tests {
                 Usage {
                     prompt: 5,
                     completion: 1,
+                    cached: None,
                 },
             ),
         ] {

@@ -131,6 +131,9 @@ pub struct SimArgs {
     /// Always send the final usage chunk.
     #[arg(long)]
     pub enable_force_include_usage: bool,
+    /// Report the prompt tokens served from the prefix cache in `usage.prompt_tokens_details`.
+    #[arg(long)]
+    pub enable_prompt_tokens_details: bool,
     /// Role of generated chat messages.
     #[arg(long, default_value = "assistant")]
     pub response_role: String,
@@ -546,6 +549,7 @@ impl SimArgs {
                 response_role: self.response_role.clone(),
                 max_num_queued_reqs: self.max_num_queued_reqs,
                 force_include_usage: self.enable_force_include_usage,
+                prompt_tokens_details: self.enable_prompt_tokens_details,
                 mean_output_tokens: self.mean_output_tokens,
                 faults,
                 failure_rate: self.failure_injection_rate / 100.0,

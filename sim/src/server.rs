@@ -48,6 +48,9 @@ pub struct ServeSettings {
     pub max_num_queued_reqs: Option<usize>,
     /// Send the usage chunk even when not asked (`--enable-force-include-usage`).
     pub force_include_usage: bool,
+    /// `usage.prompt_tokens_details.cached_tokens` in the final usage
+    /// (`--enable-prompt-tokens-details`).
+    pub prompt_tokens_details: bool,
     /// Mean output length when EOS is not ignored (exponentially distributed).
     pub mean_output_tokens: u32,
     /// Faults applied to every request.
@@ -500,6 +503,7 @@ async fn generate(
             endpoint,
             faults,
             include_usage,
+            prompt_tokens_details: s.prompt_tokens_details,
             prompt_tokens: n,
             sent: 0,
             done: false,
@@ -517,6 +521,7 @@ struct StreamState {
     endpoint: Endpoint,
     faults: Faults,
     include_usage: bool,
+    prompt_tokens_details: bool,
     prompt_tokens: u32,
     sent: u32,
     done: bool,
@@ -563,6 +568,7 @@ fn stream_response(state: StreamState) -> Response {
         let usage = Usage {
             prompt: out.prompt_tokens,
             completion: out.completion_tokens,
+            cached: st.prompt_tokens_details.then_some(out.cached_tokens),
         };
         let finish = out.finish.map(|f| f.as_str());
         sse::write_data(&mut buf, &st.writer.token_chunk(out.text, finish, usage));
@@ -600,7 +606,7 @@ async fn collect_response(
     let mut text = String::new();
     let mut usage = Usage {
         prompt: prompt_tokens,
-        completion: 0,
+        ..Usage::default()
     };
     let finish = loop {
         let Some(out) = sub.outputs.recv().await else {
@@ -613,6 +619,10 @@ async fn collect_response(
         };
         text.push_str(out.text);
         usage.completion = out.completion_tokens;
+        usage.cached = r
+            .settings
+            .prompt_tokens_details
+            .then_some(out.cached_tokens);
         if faults.drop_after == Some(usage.completion) && out.finish.is_none() {
             // Cut the connection without an answer.
             let body = Body::from_stream(futures_util::stream::once(async {

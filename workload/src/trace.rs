@@ -86,6 +86,11 @@ pub struct TraceRecord {
     /// Prompt tokens the engine served from its prefix cache, when it reports them.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub cached_tokens: Option<u64>,
+    /// Prompt tokens the proxy's prefix-aware routing expected the replica it first chose to hold
+    /// cached (beside `cached_tokens`, what the engine found: how well the router knows the
+    /// caches).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub predicted_cached_tokens: Option<u64>,
     /// Whether it met its class's latency objectives.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub good: Option<bool>,
