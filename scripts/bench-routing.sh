@@ -10,6 +10,7 @@
 # bounded by ROWS.
 #
 #   ROWS=1000 TIME_SCALE=1 scripts/bench-routing.sh       # ~6 minutes per policy
+# For the prefix-aware policies it ends with scripts/routing_losses.py over the capture.
 # Each run's proxy config is written beside its results (headroom.toml).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -121,3 +122,15 @@ text = "\n".join(lines)
 open(f"{out}/summary.md", "w").write(text + "\n")
 print(text)
 PY
+
+# Where each prefix-aware policy's hit rate went (offline caches over its capture; the split by
+# admission's displacements needs RUST_LOG=info,headroom_proxy::forward=debug).
+for policy in $POLICIES; do
+  case $policy in prefix_affinity | kv_events) ;; *) continue ;; esac
+  [ -s "$OUT/$policy/capture.jsonl" ] || continue
+  {
+    echo
+    echo "$policy, where the hit rate went (scripts/routing_losses.py):"
+    python3 scripts/routing_losses.py "$OUT/$policy/capture.jsonl" "$OUT/$policy/serve.log"
+  } | tee -a "$OUT/summary.md"
+done

@@ -57,7 +57,8 @@ fn bench(c: &mut Criterion) {
     c.bench_function("prefix_affinity_select", |b| {
         b.iter(|| policy.select(std::hint::black_box(&req), &fleet))
     });
-    c.bench_function("prefix_index_record_256_blocks", |b| {
+    // A request's whole index work: recorded (held) when sent, released when it ends.
+    c.bench_function("prefix_affinity_record_and_finished_256_blocks", |b| {
         b.iter(|| {
             policy.record(
                 std::hint::black_box(&req),
@@ -65,7 +66,8 @@ fn bench(c: &mut Criterion) {
                     backend: 3,
                     matched_tokens: 0,
                 },
-            )
+            );
+            policy.finished(std::hint::black_box(&req), 3);
         })
     });
     // A 100,000-token prompt (6,250 blocks) never seen before, recorded into a replica whose

@@ -5,6 +5,7 @@
 //! The request body is read whole by the proxy first (routing needs the prompt), so any retry
 //! re-sends exactly the bytes the client sent, whatever their size.
 
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use bytes::Bytes;
@@ -43,6 +44,24 @@ const HOP_BY_HOP: &[&str] = &[
 
 /// Statuses after which another replica is tried: the replica could not take the request.
 const RETRY_STATUSES: &[u16] = &[502, 503];
+
+/// A request sent to a replica, for its routing policy: dropped when the attempt ends however it
+/// ends (answered, failed, retried elsewhere, client gone), it tells the policy the replica freed
+/// the prompt's blocks, if the policy was told it had them.
+struct Running<'a> {
+    policy: &'a dyn RoutingPolicy,
+    route: &'a RouteRequest<'a>,
+    backend: usize,
+    recorded: AtomicBool,
+}
+
+impl Drop for Running<'_> {
+    fn drop(&mut self) {
+        if self.recorded.load(Ordering::Relaxed) {
+            self.policy.finished(self.route, self.backend);
+        }
+    }
+}
 
 /// The fleet as one pick sees it.
 struct FleetLook {
@@ -782,6 +801,14 @@ impl Headroom {
             let uncached = out.route.prompt_tokens.saturating_sub(pick.matched_tokens);
             let mut guard = InFlight::new(backend.clone(), u64::from(uncached));
 
+            // The replica holds the prompt's blocks while the request runs and frees them when
+            // it ends: the policy is told both, however the attempt ends.
+            let running = Running {
+                policy,
+                route: &out.route,
+                backend: pick.backend,
+                recorded: AtomicBool::new(false),
+            };
             let now = Instant::now();
             ctx.dispatched.get_or_insert(now);
             ctx.sent = Some(now);
@@ -798,6 +825,7 @@ impl Headroom {
                     || {
                         if out.record {
                             policy.record(&out.route, &pick);
+                            running.recorded.store(true, Ordering::Relaxed);
                         }
                     },
                 )

@@ -131,8 +131,13 @@ pub trait RoutingPolicy: Send + Sync + std::fmt::Debug {
     /// Picks a replica.
     fn select(&self, req: &RouteRequest<'_>, fleet: &[BackendView]) -> Result<Pick, NoBackend>;
 
-    /// Told after dispatch where the request went, so history-based policies learn.
+    /// Told after dispatch where the request went, so history-based policies learn (and hold its
+    /// blocks as the replica's while it runs).
     fn record(&self, _req: &RouteRequest<'_>, _pick: &Pick) {}
+
+    /// Told that a request [`record`](Self::record)ed on `backend` ended there, however it ended:
+    /// the replica has just freed its blocks.
+    fn finished(&self, _req: &RouteRequest<'_>, _backend: BackendId) {}
 
     /// Told how many prefix blocks a replica can hold (from its KV capacity), so history-based
     /// policies forget what the replica must have evicted.

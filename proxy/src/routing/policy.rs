@@ -335,7 +335,11 @@ impl RoutingPolicy for PrefixAffinity {
     }
 
     fn record(&self, req: &RouteRequest<'_>, pick: &Pick) {
-        self.with_index(|ix| ix.record(pick.backend, req.blocks));
+        self.with_index(|ix| ix.sent(pick.backend, req.blocks));
+    }
+
+    fn finished(&self, req: &RouteRequest<'_>, backend: BackendId) {
+        self.with_index(|ix| ix.finished(backend, req.blocks));
     }
 
     fn set_capacity(&self, backend: BackendId, blocks: usize) {
@@ -420,6 +424,10 @@ impl RoutingPolicy for KvEvents {
             .lock()
             .unwrap_or_else(|e| e.into_inner())
             .note_dispatch(pick.backend, req.blocks, Instant::now());
+    }
+
+    fn finished(&self, req: &RouteRequest<'_>, backend: BackendId) {
+        self.approx.finished(req, backend);
     }
 
     fn set_capacity(&self, backend: BackendId, blocks: usize) {

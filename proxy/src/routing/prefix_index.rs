@@ -5,12 +5,19 @@
 //! | operation | cost |
 //! |---|---|
 //! | `overlaps(blocks)` | one hash lookup per matched block (walks the chain once for all replicas) |
-//! | `record(replica, blocks)` | one hash lookup and one list move per block, plus evictions |
-//! | eviction | one list pop and one hash lookup per block evicted |
+//! | `record(replica, blocks)`, `sent`, `finished` | one hash lookup and one list move per block, plus evictions |
+//! | eviction | one list pop and one hash lookup per block evicted; a held block is moved to the tail instead |
 //! | `forget` | proportional to the replica's entries |
 //!
 //! Capacity is in blocks: `kv_capacity_tokens / block_tokens` for each replica (from
 //! `vllm:cache_config_info`), so the index forgets about as fast as the replica's cache does.
+//!
+//! It forgets in the engine's order, not in the order prompts were sent: an engine cannot evict the
+//! blocks of a request still running, and frees them, as the most recent, when it ends (vLLM's free
+//! queue). So a request `sent` holds its blocks (eviction passes over them) until it is
+//! `finished`, when they become the replica's most recent. Without that, a long request that runs
+//! for tens of seconds while shorter ones arrive is forgotten by the index while its replica still
+//! holds it, and the conversation's next turn is routed as if it were cold.
 //!
 //! Recency is a doubly linked list per replica, its nodes in a slab indexed by `u32`, oldest at the
 //! head; the shared block map points each holder at its node, so a touch moves the node to the tail
@@ -38,6 +45,8 @@ struct Node {
     block: BlockHash,
     prev: u32,
     next: u32,
+    /// Requests running on the replica with this block (not evictable while any is).
+    holds: u32,
 }
 
 /// One replica's blocks in recency order, oldest first.
@@ -75,6 +84,7 @@ impl ReplicaLru {
             block,
             prev: NIL,
             next: NIL,
+            holds: 0,
         };
         let i = match self.free.pop() {
             Some(i) => {
@@ -193,13 +203,38 @@ impl PrefixIndex {
 
     /// Records that `replica` now holds `blocks` (it was sent this prompt).
     pub fn record(&mut self, replica: BackendId, blocks: &[BlockHash]) {
+        self.touch_all(replica, blocks, |_| {});
+    }
+
+    /// `replica` was sent this prompt and runs it: its blocks are the most recent and stay until
+    /// [`finished`](Self::finished) says the request ended.
+    pub fn sent(&mut self, replica: BackendId, blocks: &[BlockHash]) {
+        self.touch_all(replica, blocks, |n| n.holds += 1);
+    }
+
+    /// The request `sent` with `blocks` ended on `replica`: its blocks are the most recently
+    /// freed there (the engine frees them then), and evictable again once no other request
+    /// running there holds them.
+    pub fn finished(&mut self, replica: BackendId, blocks: &[BlockHash]) {
+        self.touch_all(replica, blocks, |n| n.holds = n.holds.saturating_sub(1));
+    }
+
+    /// Makes `blocks` the most recent of `replica` (adding those it lacks), applying `f` to each
+    /// one's node, then evicts down to the capacity.
+    fn touch_all(
+        &mut self,
+        replica: BackendId,
+        blocks: &[BlockHash],
+        mut f: impl FnMut(&mut Node),
+    ) {
         let lru = self.replicas.entry(replica).or_default();
         if lru.capacity == Some(0) {
             return;
         }
         // The first block is touched last, so the prompt's tail is evicted before its head.
         for &h in blocks.iter().rev() {
-            hold(&mut self.holders, lru, replica, h);
+            let node = hold(&mut self.holders, lru, replica, h);
+            f(&mut lru.nodes[node as usize]);
         }
         self.evict(replica);
     }
@@ -250,7 +285,20 @@ impl PrefixIndex {
         let Some(lru) = self.replicas.get_mut(&replica) else {
             return;
         };
-        while lru.capacity.is_some_and(|c| lru.live > c) {
+        // Blocks a running request holds are passed over (moved to the tail, as in use); when
+        // every block is held, the index holds more than the capacity until some are released,
+        // as the engine would (it preempts instead).
+        let mut passed = 0;
+        while lru.capacity.is_some_and(|c| lru.live > c) && passed < lru.live {
+            let head = lru.head;
+            if head == NIL {
+                break;
+            }
+            if lru.nodes[head as usize].holds > 0 {
+                lru.touch(head);
+                passed += 1;
+                continue;
+            }
             let Some(h) = lru.pop_front() else {
                 break;
             };
@@ -259,18 +307,25 @@ impl PrefixIndex {
     }
 }
 
-/// Makes `h` the most recent block of `replica` (whose list is `lru`), adding it if new (a free
-/// function, so that it can run while the caller holds the replica's list).
+/// Makes `h` the most recent block of `replica` (whose list is `lru`), adding it if new; returns
+/// its node (a free function, so that it can run while the caller holds the replica's list).
 fn hold(
     holders: &mut HashMap<BlockHash, Holders, RandomState>,
     lru: &mut ReplicaLru,
     replica: BackendId,
     h: BlockHash,
-) {
+) -> u32 {
     let entry = holders.entry(h).or_default();
     match entry.iter().find(|(r, _)| *r == replica) {
-        Some(&(_, node)) => lru.touch(node),
-        None => entry.push((replica, lru.push_back(h))),
+        Some(&(_, node)) => {
+            lru.touch(node);
+            node
+        }
+        None => {
+            let node = lru.push_back(h);
+            entry.push((replica, node));
+            node
+        }
     }
 }
 
@@ -315,6 +370,62 @@ mod tests {
         ix.set_capacity(2, 100);
         ix.record(2, &[1, 3]);
         assert_eq!(depth_of(&ix, &[1, 2, 3], 2), 1);
+    }
+
+    #[test]
+    fn a_running_request_keeps_its_blocks_and_frees_them_as_the_most_recent() {
+        let mut ix = PrefixIndex::new();
+        ix.set_capacity(0, 4);
+        // A long request runs while shorter ones come and go: the engine cannot evict its blocks.
+        ix.sent(0, &[1, 2]);
+        ix.record(0, &[3, 4]);
+        ix.record(0, &[5, 6]);
+        assert_eq!(ix.len(0), 4);
+        assert_eq!(depth_of(&ix, &[1, 2], 0), 2, "held while it runs");
+        assert_eq!(
+            depth_of(&ix, &[3, 4], 0),
+            0,
+            "the oldest unheld went instead"
+        );
+        // It ends: its blocks are the most recently freed, so the next eviction takes others.
+        ix.finished(0, &[1, 2]);
+        ix.record(0, &[7, 8]);
+        assert_eq!(depth_of(&ix, &[1, 2], 0), 2);
+        assert_eq!(depth_of(&ix, &[5, 6], 0), 0);
+        // No longer held, they age out like any others.
+        ix.record(0, &[9, 10]);
+        assert_eq!(depth_of(&ix, &[1, 2], 0), 0);
+    }
+
+    #[test]
+    fn a_block_stays_while_any_request_running_with_it_does() {
+        let mut ix = PrefixIndex::new();
+        ix.set_capacity(0, 3);
+        // Two conversations share a system prompt (block 1).
+        ix.sent(0, &[1, 2]);
+        ix.sent(0, &[1, 3]);
+        ix.finished(0, &[1, 2]);
+        ix.record(0, &[4, 5]);
+        ix.record(0, &[6]);
+        assert_eq!(depth_of(&ix, &[1, 3], 0), 2, "the other request still runs");
+        assert_eq!(depth_of(&ix, &[1, 2], 0), 1);
+        // Held beyond the capacity, the index holds more until they are freed, then evicts.
+        ix.sent(0, &[7, 8, 9]);
+        assert_eq!(ix.len(0), 5);
+        ix.finished(0, &[1, 3]);
+        ix.finished(0, &[7, 8, 9]);
+        assert_eq!(ix.len(0), 3);
+        assert_eq!(
+            depth_of(&ix, &[7, 8, 9], 0),
+            3,
+            "the most recently freed stay"
+        );
+        // A reload's copy holds nothing: the old index's requests end there.
+        ix.sent(0, &[7]);
+        let mut new = PrefixIndex::new();
+        ix.copy_replica(0, &mut new, 0);
+        new.record(0, &[10, 11, 12]);
+        assert_eq!(depth_of(&new, &[7], 0), 0);
     }
 
     #[test]
