@@ -214,9 +214,26 @@ impl PrefixIndex {
 
     /// The request `sent` with `blocks` ended on `replica`: its blocks are the most recently
     /// freed there (the engine frees them then), and evictable again once no other request
-    /// running there holds them.
+    /// running there holds them. Only blocks the index still has are touched: one it lacks was
+    /// forgotten while the request ran (the replica lost its cache), and the engine does not hold
+    /// it either.
     pub fn finished(&mut self, replica: BackendId, blocks: &[BlockHash]) {
-        self.touch_all(replica, blocks, |n| n.holds = n.holds.saturating_sub(1));
+        let Some(lru) = self.replicas.get_mut(&replica) else {
+            return;
+        };
+        for h in blocks.iter().rev() {
+            let node = self
+                .holders
+                .get(h)
+                .and_then(|e| e.iter().find(|(r, _)| *r == replica))
+                .map(|&(_, node)| node);
+            if let Some(node) = node {
+                let n = &mut lru.nodes[node as usize];
+                n.holds = n.holds.saturating_sub(1);
+                lru.touch(node);
+            }
+        }
+        self.evict(replica);
     }
 
     /// Makes `blocks` the most recent of `replica` (adding those it lacks), applying `f` to each
@@ -395,6 +412,23 @@ mod tests {
         // No longer held, they age out like any others.
         ix.record(0, &[9, 10]);
         assert_eq!(depth_of(&ix, &[1, 2], 0), 0);
+    }
+
+    #[test]
+    fn a_request_that_ends_after_its_replica_lost_its_cache_adds_nothing_back() {
+        let mut ix = PrefixIndex::new();
+        ix.set_capacity(0, 8);
+        ix.sent(0, &[1, 2, 3]);
+        ix.forget(0);
+        ix.finished(0, &[1, 2, 3]);
+        assert_eq!(ix.len(0), 0);
+        assert_eq!(depth_of(&ix, &[1, 2, 3], 0), 0);
+        // What was sent after the loss is held and freed as usual.
+        ix.sent(0, &[1, 4]);
+        ix.finished(0, &[1, 4]);
+        assert_eq!(depth_of(&ix, &[1, 4], 0), 2);
+        ix.record(0, &[5, 6, 7, 8, 9, 10, 11, 12]);
+        assert_eq!(depth_of(&ix, &[1, 4], 0), 0, "freed, it ages out");
     }
 
     #[test]
