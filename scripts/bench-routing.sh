@@ -10,6 +10,7 @@
 # bounded by ROWS.
 #
 #   ROWS=1000 TIME_SCALE=1 scripts/bench-routing.sh       # ~6 minutes per policy
+# It ends with the TTFT p99 no policy can beat on the slice (scripts/ttft_floor.py; FLOOR=0 skips it).
 # For the prefix-aware policies it ends with scripts/routing_losses.py over the capture.
 # Each run's proxy config is written beside its results (headroom.toml).
 set -euo pipefail
@@ -134,3 +135,22 @@ for policy in $POLICIES; do
     python3 scripts/routing_losses.py "$OUT/$policy/capture.jsonl" "$OUT/$policy/serve.log"
   } | tee -a "$OUT/summary.md"
 done
+
+# The TTFT p99 no policy can beat on this slice: the prompts that set it (the largest prefills not
+# even a cache that never forgets could spare), each cold and alone on an idle replica of the same
+# profile (scripts/ttft_floor.py). FLOOR=0 skips it.
+if [ "${FLOOR:-1}" = 1 ]; then
+  python3 scripts/ttft_floor.py pick "$slice" >"$OUT/ttft-floor.jsonl"
+  start_sims 1 "$OUT/floor-sim.url" --profile llama-3.1-8b --gpu h100 --no-enable-prefix-caching
+  $bin replay --trace "$OUT/ttft-floor.jsonl" --target "$(head -1 "$OUT/floor-sim.url")" --concurrency 1 \
+    --hardware "headroom sim: 1 × Llama-3.1-8B-Instruct on H100 (roofline), idle, prefix caching off" \
+    --out "$OUT/ttft-floor" >"$OUT/ttft-floor.txt"
+  floor=$(python3 scripts/ttft_floor.py floor "$OUT/ttft-floor/requests.csv" --requests "$(wc -l <"$slice")")
+  line="TTFT p99 floor (the slice's $(wc -l <"$OUT/ttft-floor.jsonl") largest uncached prefills, each alone on an idle replica): $floor ms"
+  if [ -f "$OUT/round_robin/result.json" ]; then
+    half=$(python3 -c 'import json,sys; print(round(json.load(open(sys.argv[1]))["summary"]["ttft"]["p99_ms"] / 2))' "$OUT/round_robin/result.json")
+    line="$line; half of round_robin's p99: $half ms"
+  fi
+  echo | tee -a "$OUT/summary.md"
+  echo "$line" | tee -a "$OUT/summary.md"
+fi
