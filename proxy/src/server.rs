@@ -34,7 +34,7 @@ use crate::routing::{
 use crate::telemetry::Metrics;
 use crate::telemetry::capture::Capture;
 use crate::telemetry::stats::Stats;
-use crate::upstreams::health::{OnScrape, probe_loop, scrape_loop};
+use crate::upstreams::health::{OnRoutable, OnScrape, probe_loop, scrape_loop};
 use crate::upstreams::kv_events::{EventSource, subscribe_loop};
 use crate::upstreams::peers::{
     Heeded, LoadReport, OnPoll, OnPush, Peers, PushRefused, poll_loop, push_loop,
@@ -767,10 +767,23 @@ impl Generation {
                 )));
             }
         }
+        // A replica back in service takes the requests queued while it was out at once, not
+        // after the next release elsewhere; one out of service lets go of those waiting for it
+        // alone.
+        let routable_admission = admission.clone();
+        let on_routable: OnRoutable = Arc::new(move |b, routable| {
+            tracing::debug!(backend = %b.name, routable, "replica's routability changed");
+            match &routable_admission {
+                Some(adm) if routable => adm.replica_back(b.id),
+                Some(adm) => adm.replica_out(b.id),
+                None => {}
+            }
+        });
         tasks.push(tokio::spawn(probe_loop(
             fleet.clone(),
             cfg.health.clone(),
             http.clone(),
+            on_routable,
             stop_rx.clone(),
         )));
         if let Some(peers) = peers {

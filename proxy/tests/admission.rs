@@ -525,3 +525,77 @@ queue_timeout_ms = 30000
     assert!(took < Duration::from_millis(800), "{took:?}");
     let _ = (holder.await, second.await);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_replica_back_in_service_takes_the_queued_requests_at_once() {
+    // Replica a's address answers nothing yet (its replica starts later); b is up.
+    let a_addr = std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap();
+    let b = sim().await;
+    let text = format!(
+        r#"
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+[[backends]]
+url = "http://{a_addr}"
+name = "a"
+[[backends]]
+url = "{}"
+name = "b"
+[admission]
+max_in_flight = 1
+max_cap = 1
+[scrape]
+interval_ms = 0
+[health]
+interval_ms = 50
+unhealthy_after = 1
+healthy_after = 1
+[routing]
+policy = "least_load"
+[classes.default]
+queue_timeout_ms = 30000
+"#,
+        b.url()
+    );
+    let cfg: ServeConfig =
+        headroom_config::parse_toml(&text, std::path::Path::new("back.toml")).unwrap();
+    let p = headroom_proxy::start(cfg).await.unwrap();
+    let admission = p.admission().unwrap();
+    while p.fleet().backends[0].probe_healthy() {
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    // A long request holds b (400 tokens at 5 ms: 2 s); the next one waits, a being out.
+    let holder = tokio::spawn(send(p.addr, "default", 400));
+    while admission.slots()[1].1 == 0 {
+        tokio::task::yield_now().await;
+    }
+    let waiting = tokio::spawn(send(p.addr, "default", 5));
+    while !admission.queued().contains_key("default") {
+        tokio::task::yield_now().await;
+    }
+    // a comes up: its first passing probe hands it the waiting request, long before b frees.
+    let a = headroom_sim::start_replica(
+        common::sim_args(5, 5, &[]).build_replica(0).unwrap(),
+        a_addr,
+    )
+    .await
+    .unwrap();
+    let (status, _, took) = waiting.await.unwrap();
+    assert_eq!(status, 200);
+    assert!(
+        !holder.is_finished(),
+        "the queued request waited for b's slot ({took:?})"
+    );
+    assert_eq!(
+        admission.slots()[1].1,
+        1,
+        "b still holds only the long request"
+    );
+    assert_eq!(holder.await.unwrap().0, 200);
+    p.shutdown().await;
+    a.shutdown().await.unwrap();
+    b.shutdown().await.unwrap();
+}

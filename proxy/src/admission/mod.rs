@@ -25,6 +25,8 @@
 //! woken, no room:  the wake passes on (at most MAX_PASSES times) to a waiter the woken one does
 //!                  not hold back: not of its own pool at its priority or lower
 //! leaving queue:   a waiter that leaves (timed out, client gone) wakes one that may now fit
+//! replica back:    (a health round finds it routable again) as many waiters as it has room for
+//! replica out:     its waiters for it alone (`WaitFor`) pick again at once, as newcomers
 //! ```
 //!
 //! Pools share one queue, but a waiter holds back only the requests that would take a slot on
@@ -101,6 +103,10 @@ enum For<'a> {
 
 /// How many times one wake is passed on at most: each pass is a waiter that could not use it.
 const MAX_PASSES: u8 = 4;
+
+/// Sent instead of a pass count: the waiter picks again as if it had just come, with no slot
+/// handed to it (see [`Admission::replica_out`]).
+const PICK_AGAIN: u8 = u8::MAX;
 
 /// A set of replicas, by replica id; empty: every replica.
 pub type Reach = Arc<[bool]>;
@@ -717,6 +723,8 @@ impl Admission {
             };
             let wake_by = only.map_or(deadline, |(_, until)| until.min(deadline));
             match tokio::time::timeout_at(wake_by, rx).await {
+                // Told to pick again (its replica left service): a newcomer's pick, no slot.
+                Ok(Ok(PICK_AGAIN)) => woken = None,
                 Ok(hops) => woken = Some(hops.unwrap_or(0)),
                 Err(_) if only.is_some() => {
                     // The wait for one replica is over: the request keeps its place and picks
@@ -756,6 +764,40 @@ impl Admission {
             wake(&mut g, (a - b) as usize, For::Replica(backend));
         }
         change
+    }
+
+    /// Replica `backend`, which routing could not use (failing its health probes, or ejected),
+    /// can be used again: as many waiters as it has room for re-check. Without this, requests
+    /// queued while it was out would wait for a release elsewhere, or their deadline, while it
+    /// sat idle.
+    pub fn replica_back(&self, backend: usize) {
+        let mut g = self.lock();
+        let Some(s) = g.slots.get(backend) else {
+            return;
+        };
+        let room = s
+            .cap
+            .cap()
+            .map_or(g.waiters.len(), |c| c.saturating_sub(s.in_flight) as usize);
+        wake(&mut g, room, For::Replica(backend));
+    }
+
+    /// Replica `backend` left service (failing its health probes, or ejected): the requests
+    /// waiting for it alone (`Pick::WaitFor`) pick again now, elsewhere, instead of waiting out
+    /// their bound for a slot that will not come.
+    pub fn replica_out(&self, backend: usize) {
+        let mut g = self.lock();
+        let stranded: Vec<WaitKey> = g
+            .waiters
+            .iter()
+            .filter(|(_, w)| w.only == Some(backend))
+            .map(|(k, _)| *k)
+            .collect();
+        for k in stranded {
+            if let Some(w) = g.waiters.remove(&k) {
+                let _ = w.tx.send(PICK_AGAIN);
+            }
+        }
     }
 
     /// Sets a replica's token budget (None: none).
@@ -1110,6 +1152,44 @@ mod tests {
         waiting_a.abort();
     }
 
+    #[tokio::test(start_paused = true)]
+    async fn a_replica_back_in_service_lets_in_the_requests_queued_while_it_was_out() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        // Two replicas of one slot each: 0 is out (its pick refuses it, as routing refuses an
+        // unhealthy or ejected replica), 1 is taken.
+        static ZERO_UP: AtomicBool = AtomicBool::new(false);
+        let pick = |room: &[Room]| {
+            Ok::<_, ()>(
+                room.iter()
+                    .enumerate()
+                    .position(|(i, r)| r.free && (i != 0 || ZERO_UP.load(Ordering::Relaxed)))
+                    .map_or(Pick::NoRoom, Pick::Backend),
+            )
+        };
+        let a = admission(2, 1);
+        let held = a.acquire(&ask("interactive", 0), pick).await.unwrap();
+        assert_eq!(held.backend, 1);
+        let (a2, a3) = (a.clone(), a.clone());
+        let first = tokio::spawn(async move { a2.acquire(&ask("interactive", 0), pick).await });
+        tokio::task::yield_now().await;
+        let second = tokio::spawn(async move { a3.acquire(&ask("interactive", 0), pick).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().get("interactive"), Some(&2));
+        // Back in service: nothing was released, yet the first in line takes its one slot and the
+        // other keeps waiting for room.
+        ZERO_UP.store(true, Ordering::Relaxed);
+        tokio::task::yield_now().await;
+        assert!(!first.is_finished());
+        a.replica_back(0);
+        let back = first.await.unwrap().unwrap();
+        assert_eq!(back.backend, 0);
+        tokio::task::yield_now().await;
+        assert!(!second.is_finished());
+        assert_eq!(a.queued().get("interactive"), Some(&1));
+        drop(held);
+        assert_eq!(second.await.unwrap().unwrap().backend, 1);
+    }
+
     /// Takes replica 0 when it has room; while it has none, waits for it until `until`, and from
     /// then on takes the first replica with room.
     fn prefers_zero(until: tokio::time::Instant) -> impl FnMut(&[Room]) -> Result<Pick, ()> {
@@ -1193,6 +1273,49 @@ mod tests {
         assert_eq!(a.queued().values().sum::<usize>(), 0, "it left the queue");
         drop((home, elsewhere));
         assert_eq!(a.slots(), vec![(Some(1), 0), (Some(1), 0)]);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_request_waiting_for_a_replica_that_left_service_goes_elsewhere_at_once() {
+        use std::sync::atomic::{AtomicBool, Ordering};
+        static ZERO_OUT: AtomicBool = AtomicBool::new(false);
+        let start = tokio::time::Instant::now();
+        let until = start + Duration::from_secs(10);
+        let mut home = prefers_zero(until);
+        let pick = move |room: &[Room]| {
+            if ZERO_OUT.load(Ordering::Relaxed) {
+                // Routing refuses a replica out of service.
+                Ok(room
+                    .iter()
+                    .skip(1)
+                    .position(|r| r.free)
+                    .map_or(Pick::NoRoom, |i| Pick::Backend(i + 1)))
+            } else {
+                home(room)
+            }
+        };
+        let a = admission(2, 1);
+        let held = a.acquire(&ask("default", 0), first).await.unwrap();
+        assert_eq!(held.backend, 0);
+        let a2 = a.clone();
+        let waiting = tokio::spawn(async move { a2.acquire(&ask("default", 0), pick).await });
+        tokio::task::yield_now().await;
+        assert_eq!(a.queued().values().sum::<usize>(), 1);
+        // Replica 0 fails its probes with the request still on it: the waiter for it takes
+        // replica 1 now, not when its wait for replica 0 runs out.
+        ZERO_OUT.store(true, Ordering::Relaxed);
+        a.replica_out(1);
+        tokio::task::yield_now().await;
+        assert!(
+            !waiting.is_finished(),
+            "only waiters for that replica pick again"
+        );
+        a.replica_out(0);
+        let elsewhere = waiting.await.unwrap().unwrap();
+        assert_eq!(elsewhere.backend, 1);
+        assert_eq!(start.elapsed(), Duration::ZERO);
+        assert_eq!(a.queued().values().sum::<usize>(), 0, "it left the queue");
+        drop((held, elsewhere));
     }
 
     #[tokio::test(start_paused = true)]

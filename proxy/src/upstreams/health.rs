@@ -4,6 +4,7 @@
 
 use std::sync::Arc;
 use std::sync::RwLock;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use headroom_config::serve::{HealthConfig, ScrapeConfig};
@@ -44,16 +45,29 @@ async fn get_ok(
     resp.status().is_success().then_some(resp)
 }
 
+/// Called when a probe round finds a replica's routability (healthy and not ejected) changed since
+/// the round before, with the new one.
+pub type OnRoutable = Arc<dyn Fn(&Backend, bool) + Send + Sync>;
+
 /// Probes every replica each `interval_ms` until `stop` turns true; a passing replica's model list
 /// is refreshed too.
 pub async fn probe_loop(
     fleet: Arc<Fleet>,
     cfg: HealthConfig,
     client: reqwest::Client,
+    on_routable: OnRoutable,
     stop: watch::Receiver<bool>,
 ) {
     let timeout = Duration::from_millis(cfg.timeout_ms);
-    let (client, fleet_ref, path) = (&client, &fleet, &cfg.path);
+    // Routable at the last round, by replica id: a fresh proxy presumes its replicas are. An
+    // ejection that ended between rounds is found at the next one.
+    let routable: Vec<AtomicBool> = fleet
+        .backends
+        .iter()
+        .map(|_| AtomicBool::new(true))
+        .collect();
+    let (client, fleet_ref, path, routable) = (&client, &fleet, &cfg.path, &routable);
+    let on_routable = &on_routable;
     every_round(
         &fleet,
         Duration::from_millis(cfg.interval_ms),
@@ -65,6 +79,13 @@ pub async fn probe_loop(
                     .await
                     .is_some();
             fleet_ref.probe_result(&b, passed);
+            let now = fleet_ref.is_available(&b);
+            let before = routable
+                .get(b.id)
+                .is_none_or(|r| r.swap(now, Ordering::Relaxed));
+            if now != before {
+                on_routable(&b, now);
+            }
             if passed {
                 if let Some(models) = models(client, &b, timeout).await {
                     b.set_models(models);
