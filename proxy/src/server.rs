@@ -983,9 +983,12 @@ fn upstream_clients(cfg: &ServeConfig) -> Result<(Connector, reqwest::Client), S
     let u = &cfg.upstream_tls;
     let bad = |why: String| ServeError::Config(format!("upstream_tls: {why}"));
     let read = |path: &str| std::fs::read(path).map_err(|e| bad(format!("reading {path}: {e}")));
+    // Probes and scrapes let an idle connection go when the data plane does, before the engine's
+    // own keep-alive timeout closes it under a probe (a probe interval above that timeout would
+    // otherwise race the engine's close and fail now and then, counting toward unhealthy).
     let mut http = reqwest::Client::builder()
         .use_rustls_tls()
-        .pool_idle_timeout(Duration::from_secs(30));
+        .pool_idle_timeout(Duration::from_millis(cfg.timeouts.pool_idle_ms));
     let mut options = ConnectorOptions::new(CONNECTION_POOL_SIZE);
     if let Some(ca) = &u.ca {
         pingora::tls::install_default_crypto_provider();
