@@ -47,6 +47,31 @@ async fn proxy(url: String) -> ServeHandle {
         .unwrap()
 }
 
+/// A proxy in front of replicas `a` and `b` (in that order), one slot each, the engines' feedback
+/// off so the caps stay at 1, and the rest of its config from `rest`.
+async fn two_replicas(a: &str, b: &str, rest: &str) -> ServeHandle {
+    let text = format!(
+        r#"
+listen = "127.0.0.1:0"
+admin_listen = "127.0.0.1:0"
+[[backends]]
+url = "{a}"
+name = "a"
+[[backends]]
+url = "{b}"
+name = "b"
+[admission]
+max_in_flight = 1
+max_cap = 1
+[scrape]
+interval_ms = 0
+{rest}"#
+    );
+    let cfg: ServeConfig =
+        headroom_config::parse_toml(&text, std::path::Path::new("two-replicas.toml")).unwrap();
+    headroom_proxy::start(cfg).await.unwrap()
+}
+
 /// Sends a streamed chat request of `tokens` output tokens as `class`; returns (status,
 /// Retry-After, time to the end of the body).
 async fn send(
@@ -466,21 +491,10 @@ async fn a_shutdown_answers_the_requests_still_queued_instead_of_cutting_them() 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_batch_request_for_an_idle_batch_replica_does_not_wait_behind_interactive_ones() {
     let (a, b) = (sim().await, sim().await);
-    let text = format!(
+    let p = two_replicas(
+        &a.url(),
+        &b.url(),
         r#"
-listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
-[[backends]]
-url = "{}"
-name = "a"
-[[backends]]
-url = "{}"
-name = "b"
-[admission]
-max_in_flight = 1
-max_cap = 1
-[scrape]
-interval_ms = 0
 [health]
 unhealthy_after = 1000
 [[pools]]
@@ -498,12 +512,8 @@ pool = "batch"
 priority = -10
 queue_timeout_ms = 30000
 "#,
-        a.url(),
-        b.url()
-    );
-    let cfg: ServeConfig =
-        headroom_config::parse_toml(&text, std::path::Path::new("pools.toml")).unwrap();
-    let p = headroom_proxy::start(cfg).await.unwrap();
+    )
+    .await;
     let admission = p.admission().unwrap();
     // A long interactive request holds replica a; a second one waits for it.
     let holder = tokio::spawn(send(p.addr, "default", 200));
@@ -534,21 +544,10 @@ async fn a_replica_back_in_service_takes_the_queued_requests_at_once() {
         .local_addr()
         .unwrap();
     let b = sim().await;
-    let text = format!(
+    let p = two_replicas(
+        &format!("http://{a_addr}"),
+        &b.url(),
         r#"
-listen = "127.0.0.1:0"
-admin_listen = "127.0.0.1:0"
-[[backends]]
-url = "http://{a_addr}"
-name = "a"
-[[backends]]
-url = "{}"
-name = "b"
-[admission]
-max_in_flight = 1
-max_cap = 1
-[scrape]
-interval_ms = 0
 [health]
 interval_ms = 50
 unhealthy_after = 1
@@ -558,14 +557,11 @@ policy = "least_load"
 [classes.default]
 queue_timeout_ms = 30000
 "#,
-        b.url()
-    );
-    let cfg: ServeConfig =
-        headroom_config::parse_toml(&text, std::path::Path::new("back.toml")).unwrap();
-    let p = headroom_proxy::start(cfg).await.unwrap();
+    )
+    .await;
     let admission = p.admission().unwrap();
     while p.fleet().backends[0].probe_healthy() {
-        tokio::time::sleep(Duration::from_millis(10)).await;
+        tokio::task::yield_now().await;
     }
     // A long request holds b (400 tokens at 5 ms: 2 s); the next one waits, a being out.
     let holder = tokio::spawn(send(p.addr, "default", 400));
