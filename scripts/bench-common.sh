@@ -3,7 +3,11 @@
 
 # PIDs to stop (SIGINT, then wait) when the script exits, however it exits.
 pids=()
-cleanup() { for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done; wait 2>/dev/null || true; }
+cleanup() {
+  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  wait 2>/dev/null || true
+  if declare -F pin_cleanup >/dev/null; then pin_cleanup; fi
+}
 trap cleanup EXIT
 
 # wait_line FILE PATTERN: waits up to 10 s for PATTERN to appear in FILE.

@@ -19,6 +19,12 @@
 #                                                # every thread) and split its CPU per chunk into user
 #                                                # space and the kernel by system call; the samples stay
 #                                                # in OUT/<proxy>-<round>/perf.data for perf report
+#   SCHED=1 PIN=1 scripts/bench-overhead.sh     # also trace the scheduler on the proxies' core
+#                                                # during each proxy round (perf sched record) and
+#                                                # say how long the proxy's threads sat runnable but
+#                                                # not running, and what ran meanwhile
+#                                                # (scripts/sched_preemptions.py; OUT/<proxy>-<round>/
+#                                                # sched.txt, sched.json, sched.data)
 #   MIX=1 scripts/bench-overhead.sh              # also ROUNDS rounds with the three paths in turn,
 #                                                # request by request, MIX_RATE (RATE) req/s in
 #                                                # all: added TTFT against direct requests of the
@@ -91,6 +97,10 @@ wire_on=()
 counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
 if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
   echo "SYSCALLS=1 needs perf with access to the syscall tracepoints (linux-perf; run as root)" >&2
+  exit 2
+fi
+if [ "${SCHED:-0}" = 1 ] && { [ "$PIN" != 1 ] || ! perf sched record -q -o /dev/null -- true >/dev/null 2>&1; }; then
+  echo "SCHED=1 needs PIN=1 (it traces the SUT's cores) and perf allowed to record scheduler events (linux-perf; run as root)" >&2
   exit 2
 fi
 if [ "${PROFILE:-0}" = 1 ] && ! perf record -q -g -o /dev/null -- true >/dev/null 2>&1; then
@@ -198,6 +208,14 @@ for round in $(seq "$ROUNDS"); do
       profiling=$!
       sleep 0.5
     fi
+    scheduling=""
+    rm -f "$dir/sched.data" "$dir/sched.json" "$dir/sched.txt" "$dir-sched.data"
+    if [ "${SCHED:-0}" = 1 ] && [ -n "$watch" ]; then
+      # The SUT's cores only (SCHED=1 needs PIN=1); perf itself runs where this script does.
+      perf sched record -q -C "$SUT_CPUS" -o "$dir-sched.data" >/dev/null 2>&1 &
+      scheduling=$!
+      sleep 0.5
+    fi
     wiring=""
     pausing=""
     # Nothing of an earlier run in this OUT may be read as this round's.
@@ -224,6 +242,12 @@ for round in $(seq "$ROUNDS"); do
       --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
     after=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
+    if [ -n "$scheduling" ]; then
+      kill -INT "$scheduling"; wait "$scheduling" || true
+      mv "$dir-sched.data" "$dir/sched.data"
+      python3 scripts/sched_preemptions.py "$dir/sched.data" --pids "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)" \
+        --json "$dir/sched.json" >"$dir/sched.txt" 2>&1 || cat "$dir/sched.txt" >&2
+    fi
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
     if [ -n "$pausing" ]; then wait "$pausing" || true; mv "$dir-pauses.json" "$dir/pauses.json"; fi
     if [ -n "$wiring" ]; then
@@ -408,6 +432,32 @@ if wire:
         lines.append(f"- {c}: " + "; ".join(f"{w['ttft_share_us']['p50']:.0f} / {w['ttft_share_us']['p99']:.0f} and "
                                              f"{w['event_us']['p50']:.0f} / {w['event_us']['p99']:.0f}"
                                              for w in rows if w["event_us"]["n"] and w["ttft_share_us"]["n"]))
+# SCHED=1: how long each proxy's threads sat runnable but not running on their core, and what ran.
+sched = {}
+for c in ("headroom", "nginx"):
+    for r in range(1, rounds + 1):
+        try:
+            sched.setdefault(c, []).append(json.load(open(f"{out}/{c}-{r}/sched.json")))
+        except (OSError, ValueError):
+            pass
+if sched:
+    lines += ["", "The scheduler on the proxies' core (SCHED=1, perf sched; scripts/sched_preemptions.py): how long the",
+              "proxy's busiest thread (its worker) was runnable but not running (preempted, or woken and not yet on",
+              "the core), each round, and what ran on the core meanwhile (steal and the wake-up itself show as",
+              "nothing); then all of the proxy's threads. sched.txt in each round's directory has every thread.", "",
+              "The worker's runs: from a wake-up to its next wait (what arrives meanwhile waits for the rest of it).", "",
+              "| proxy | round | worker | its waits | ms | behind, ms | its runs p50 / p99 / p99.9 ms | over 0.5 ms | all threads: waits | ms | over 0.5 ms | longest ms |",
+              "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
+    for c, rows in sched.items():
+        for k, w in enumerate(rows, 1):
+            if not w.get("threads"):
+                continue
+            name, t = next(iter(w["threads"].items()))
+            behind = ", ".join(f"{n} {b['ms']:.1f}" for n, b in list(t["takers"].items())[:4])
+            q = t["run_ms"]
+            lines.append(f"| {c} | {k} | {name} | {t['waits']} | {t['wait_ms']:.1f} | {behind} | "
+                         f"{q['p50']:.2f} / {q['p99']:.2f} / {q['p99.9']:.2f} | {t['long_runs']} | {w['waits']} | "
+                         f"{w['wait_ms']:.1f} | {w['long_waits']} | {w['max_wait_ms']:.2f} |")
 # The mixed rounds (MIX=1): each path's TTFT percentiles over its own turns, each round, and what
 # each proxy adds to the direct turns of the same round.
 def pct(xs, q):

@@ -36,7 +36,7 @@ start_sim() {
   mkdir -p "$OUT_DIR"
   SIM_STDOUT="$(mktemp)"
   SIM_PID=""
-  trap 'if [[ -n "$SIM_PID" ]] && kill -0 "$SIM_PID" 2>/dev/null; then kill -TERM "$SIM_PID" 2>/dev/null || true; wait "$SIM_PID" 2>/dev/null || true; fi; rm -f "$SIM_STDOUT"' EXIT
+  trap 'if [[ -n "$SIM_PID" ]] && kill -0 "$SIM_PID" 2>/dev/null; then kill -TERM "$SIM_PID" 2>/dev/null || true; wait "$SIM_PID" 2>/dev/null || true; fi; rm -f "$SIM_STDOUT"; pin_cleanup' EXIT
   trap 'exit 130' INT
   trap 'exit 143' TERM
   log "starting $HEADROOM ${SIM_ARGS[*]}"

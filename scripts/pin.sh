@@ -21,7 +21,46 @@ if [ "$PIN" = 1 ]; then
   load_on=(taskset -c "$LOAD_CPUS")
   sut_workers=$(taskset -c "$SUT_CPUS" nproc)
   placement="pinned: system under test on CPU $SUT_CPUS, load generator on CPU $LOAD_CPUS"
+  # The script itself moves to the load cores too, so what it starts without a placement (its
+  # subshells, sleep, grep, perf, the packet capture's reader and analysis) never takes the
+  # SUT's cores; "${sut_on[@]}" still places a command there.
+  taskset -cp "$LOAD_CPUS" $$ >/dev/null
   echo "$placement" >&2
+fi
+
+# Isolation. ISOLATE=1 (with PIN=1) also moves everything else that may move off the SUT's cores
+# for the script's life, as isolcpus or tuna would on a production proxy's cores: every thread of
+# the machine that may run elsewhere (its daemons, its agent, unbound kernel threads such as
+# DAMON's kdamond), the unbound kernel workqueues and the device interrupts that accept it
+# (scripts/isolate_cpus.py; what cannot move, per-CPU kernel threads and managed interrupts, is
+# printed). Everything is put back when the script ends. It changes the machine, not the
+# software, and gives every proxy of a comparison the same core; the summary says it was on.
+# Needs root.
+ISOLATE=${ISOLATE:-0}
+if [ "$ISOLATE" = 1 ]; then
+  if [ "$PIN" != 1 ] || [ "$(id -u)" != 0 ]; then
+    echo "ISOLATE=1 needs PIN=1 (it clears the SUT's cores) and root" >&2
+    exit 2
+  fi
+  isolation_saved=$(mktemp)
+  isolation_tool=$(realpath "$(dirname "${BASH_SOURCE[0]}")/isolate_cpus.py")
+  # The script and the shells above it stay as they are (the script is on the load cores already):
+  # a shell that starts benchmarks one after another must not hand the confinement on.
+  python3 "$isolation_tool" --away "$SUT_CPUS" --save "$isolation_saved" --keep $$
+  # Put back by the script's exit trap (pin_cleanup, called by every script that sources this
+  # file), before the next command of its caller starts; and, should the script be killed
+  # outright, by a holder that outlives it (as NOIDLE's), which finds the saved file still there.
+  isolation_owner=$$
+  (
+    (
+      while kill -0 "$isolation_owner" 2>/dev/null; do sleep 1; done
+      if [ -f "$isolation_saved" ]; then
+        python3 "$isolation_tool" --restore "$isolation_saved" 2>/dev/null
+        rm -f "$isolation_saved"
+      fi
+    ) &
+  )
+  placement="$placement; everything else that may move kept off CPU $SUT_CPUS"
 fi
 
 # Idle states. NOIDLE=1 keeps every core out of its idle (halt) state for the script's life by
@@ -69,3 +108,12 @@ if [ -n "$LOAD_NICE" ]; then
   placement="$placement; load generator at nice $want"
   echo "load generator at nice $want" >&2
 fi
+
+# pin_cleanup: what pin.sh changed that must be put back when the script ends (ISOLATE's moves);
+# each script that sources this file calls it from its exit trap.
+pin_cleanup() {
+  if [ -n "${isolation_saved:-}" ] && [ -f "$isolation_saved" ]; then
+    python3 "$isolation_tool" --restore "$isolation_saved" 2>/dev/null || true
+    rm -f "$isolation_saved"
+  fi
+}

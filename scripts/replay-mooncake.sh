@@ -25,7 +25,7 @@ source scripts/pin.sh
 "${sut_on[@]}" target/release/headroom sim --port 0 --latency-model constant --time-to-first-token 2 \
   --inter-token-latency 1 --num-gpu-blocks "$BLOCKS" >"$OUT/sim.url" 2>"$OUT/sim.log" &
 sim=$!
-trap 'kill -INT $sim 2>/dev/null || true; wait $sim 2>/dev/null || true' EXIT
+trap 'kill -INT $sim 2>/dev/null || true; wait $sim 2>/dev/null || true; pin_cleanup' EXIT
 for _ in $(seq 100); do grep -q http "$OUT/sim.url" 2>/dev/null && break; sleep 0.1; done
 url=$(grep -m1 http "$OUT/sim.url")
 "${load_on[@]}" target/release/headroom replay --trace "$TRACE" --max-requests "$ROWS" --time-scale "$TIME_SCALE" "${send_args[@]}" \
