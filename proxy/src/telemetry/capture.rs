@@ -1,6 +1,7 @@
 //! The trace capture writer: finished requests become JSONL trace records (docs/trace-format.md),
 //! handed over through a bounded queue to one writer thread, which writes them in batches (so the
-//! request path neither waits on the disk nor wakes the writer per record). A record that cannot
+//! request path neither waits on the disk nor wakes the writer per record) and runs in the batch
+//! scheduling class (its wake-ups never preempt a worker relaying streams). A record that cannot
 //! be queued or written is counted and logged, never silently lost.
 //!
 //! Each file is a standalone trace: `timestamp` is milliseconds from the file's opening. Files
@@ -138,7 +139,14 @@ impl Capture {
         };
         let thread = std::thread::Builder::new()
             .name("headroom-capture".into())
-            .spawn(move || writer.run(rx, capacity))
+            .spawn(move || {
+                // The writer's wake-ups (every batch) must not preempt the workers relaying
+                // streams on the same core: it runs when they next wait, at its full share.
+                if !headroom_workload::realtime::lower_current_thread() {
+                    tracing::debug!("capture writer left in the normal scheduling class");
+                }
+                writer.run(rx, capacity)
+            })
             .map_err(err)?;
         let sample_below = if cfg.sample >= 1.0 {
             u64::MAX
