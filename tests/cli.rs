@@ -363,6 +363,23 @@ impl Child {
     }
 }
 
+/// Each thread of process `pid`: its name, nice value and scheduling policy (0 normal, 3 batch).
+#[cfg(target_os = "linux")]
+fn thread_classes(pid: u32) -> Vec<(String, i32, u32)> {
+    let mut out = Vec::new();
+    for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
+        let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap();
+        let (open, close) = (stat.find('(').unwrap(), stat.rfind(')').unwrap());
+        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
+        out.push((
+            stat[open + 1..close].to_owned(),
+            fields[16].parse().unwrap(),
+            fields[38].parse().unwrap(),
+        ));
+    }
+    out
+}
+
 #[test]
 fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
     const CANARY: &str = "qqcanaryword4409";
@@ -419,6 +436,26 @@ fn serve_captures_requests_and_no_prompt_text_reaches_a_file_or_a_log() {
     });
     assert_eq!(&statuses[..3], &[200, 200, 200]);
     assert!(statuses[3..].iter().all(|s| *s == 400), "{statuses:?}");
+    // Background threads never preempt the worker relaying streams: the capture writer and
+    // pingora's timeout clock run in the batch class (when the process runs at nice 0).
+    #[cfg(target_os = "linux")]
+    {
+        let threads = thread_classes(proxy.proc.id());
+        let main = threads
+            .iter()
+            .find(|t| t.0 == "headroom")
+            .expect("the main thread");
+        if (main.1, main.2) == (0, 0) {
+            for name in ["headroom-captur", "Timer thread"] {
+                let t = threads.iter().find(|t| t.0 == name);
+                assert_eq!(t.map(|t| t.2), Some(3), "{name} in {threads:?}");
+            }
+            assert!(
+                threads.iter().any(|t| t.0 == "tokio-rt-worker" && t.2 == 0),
+                "the workers stay in the normal class: {threads:?}"
+            );
+        }
+    }
     let logs = proxy.stop();
     sim.stop();
     let text = std::fs::read_to_string(&capture).unwrap();

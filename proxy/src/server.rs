@@ -497,8 +497,35 @@ pub fn preflight(cfg: &ServeConfig) -> Result<Vec<String>, ServeError> {
     Ok(warnings)
 }
 
+/// Starts pingora's timeout clock ("Timer thread", one tick every 10 ms) from a thread in the
+/// batch scheduling class, whose class it inherits. pingora starts it from whichever thread first
+/// sets a timeout, otherwise a worker: its ticks then preempted the worker relaying streams on a
+/// proxy's core ~10 times a second, where in the batch class they wait until the worker next waits
+/// for its sockets (a timeout fires at most a scheduler tick later, against the clock's 10 ms).
+/// Once per process; a clock already running is left as it is.
+fn start_pingora_clock_in_batch_class() {
+    static STARTED: std::sync::Once = std::sync::Once::new();
+    STARTED.call_once(|| {
+        let started = std::thread::Builder::new()
+            .name("headroom-clock".into())
+            .spawn(|| {
+                headroom_workload::realtime::lower_current_thread();
+                // Setting a timeout starts the clock; this one is never polled, so never armed.
+                drop(pingora::prelude::fast_timeout::fast_timeout(
+                    Duration::from_secs(1),
+                    std::future::ready(()),
+                ));
+            })
+            .map(|t| t.join());
+        if !matches!(started, Ok(Ok(()))) {
+            tracing::debug!("pingora's clock left to start from a worker");
+        }
+    });
+}
+
 /// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
 pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
+    start_pingora_clock_in_batch_class();
     let cfg = Arc::new(cfg);
     let metrics = Arc::new(Metrics::new());
     let shared = Shared {
