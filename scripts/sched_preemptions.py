@@ -25,6 +25,7 @@ and every other task's run time on the traced CPUs, with how many of its runs we
 | --long-us | a wait or another task's run counted as long from here (500 µs) |
 """
 import argparse
+import bisect
 import collections
 import json
 import subprocess
@@ -60,15 +61,15 @@ def parse(lines):
 
 def analyse(rows, pids, long_us=500.0):
     long_ms = long_us / 1e3
-    by_cpu = collections.defaultdict(list)  # cpu -> [(start, end, name)] of every task's runs
+    # cpu -> every task's runs there, in time order (runs on one CPU do not overlap, so their
+    # ends and starts are both sorted): [end], [(start, end, name)].
+    ends, runs_on = collections.defaultdict(list), collections.defaultdict(list)
     last_state = {}
     waits = []  # (cpu, start, end, the waiting thread)
     others = collections.defaultdict(lambda: {"runs": 0, "ms": 0.0, "long_runs": 0})
-    # The proxy's threads one by one (name[tid]): which of its own threads waited, and which ran.
-    threads = collections.defaultdict(lambda: {"runs": 0, "ms": 0.0, "waits": 0, "wait_ms": 0.0})
-    # Each of the proxy's threads' runs on the core (a wake-up to its next wait or preemption):
-    # a long run is a stretch everything else the thread serves waits behind.
-    run_ms = collections.defaultdict(list)
+    # The proxy's threads one by one (name[tid]): their runs on the core (a wake-up to the next
+    # wait or preemption: a long one is a stretch all the thread serves waits behind), and waits.
+    threads = collections.defaultdict(lambda: {"run_list": [], "waits": 0, "wait_ms": 0.0})
     for end, cpu, name, tid, pid, wait, sch, run, state in rows:
         start = end - run / 1e3
         if name == "<idle>":
@@ -78,34 +79,36 @@ def analyse(rows, pids, long_us=500.0):
             # a worker off the core too: they are charged like any task, by thread.
             name = f"{name}[{tid}]"
             t = threads[name]
-            t["runs"] += 1
-            t["ms"] += run
-            run_ms[name].append(run)
+            t["run_list"].append(run)
             delay = wait if last_state.get(tid) == "R" else sch
             if delay > 0:
                 waits.append((cpu, start - delay / 1e3, start, name))
                 t["waits"] += 1
                 t["wait_ms"] += delay
             last_state[tid] = state
-        by_cpu[cpu].append((start, end, name))
-        if pid not in pids:
+        else:
             o = others[name]
             o["runs"] += 1
             o["ms"] += run
             o["long_runs"] += run > long_ms
-    takers = collections.defaultdict(lambda: {"times": 0, "ms": 0.0})
-    # The same, for each waiting thread: a worker held back is latency, a background thread
+        ends[cpu].append(end)
+        runs_on[cpu].append((start, end, name))
+    # What ran in each wait, by waiting thread: a worker held back is latency, a background thread
     # waiting for the worker is not.
     takers_of = collections.defaultdict(lambda: collections.defaultdict(lambda: {"times": 0, "ms": 0.0}))
 
     def charge(waiter, name, ms):
-        for t in (takers[name], takers_of[waiter][name]):
-            t["times"] += 1
-            t["ms"] += ms
+        t = takers_of[waiter][name]
+        t["times"] += 1
+        t["ms"] += ms
 
     for cpu, lo, hi, waiter in waits:
         charged = 0.0
-        for start, end, name in by_cpu[cpu]:
+        runs = runs_on[cpu]
+        for k in range(bisect.bisect_right(ends[cpu], lo), len(runs)):
+            start, end, name = runs[k]
+            if start >= hi:
+                break
             overlap = min(end, hi) - max(start, lo)
             if overlap > 0 and name != waiter:
                 charge(waiter, name, overlap * 1e3)
@@ -113,9 +116,15 @@ def analyse(rows, pids, long_us=500.0):
         rest = (hi - lo) - charged
         if rest > 1e-6:
             charge(waiter, NOTHING, rest * 1e3)
+    takers = collections.defaultdict(lambda: {"times": 0, "ms": 0.0})
+    for by_taker in takers_of.values():
+        for name, w in by_taker.items():
+            takers[name]["times"] += w["times"]
+            takers[name]["ms"] += w["ms"]
     for name, t in threads.items():
         t["takers"] = dict(sorted(takers_of[name].items(), key=lambda kv: -kv[1]["ms"]))
-        runs = sorted(run_ms[name])
+        runs = sorted(t.pop("run_list"))
+        t["runs"], t["ms"] = len(runs), sum(runs)
         t["run_ms"] = {q: runs[min(len(runs) - 1, int(len(runs) * f))]
                        for q, f in (("p50", 0.5), ("p99", 0.99), ("p99.9", 0.999))}
         t["run_ms"]["max"] = runs[-1]
