@@ -369,13 +369,9 @@ fn thread_classes(pid: u32) -> Vec<(String, i32, u32)> {
     let mut out = Vec::new();
     for task in std::fs::read_dir(format!("/proc/{pid}/task")).unwrap() {
         let stat = std::fs::read_to_string(task.unwrap().path().join("stat")).unwrap();
-        let (open, close) = (stat.find('(').unwrap(), stat.rfind(')').unwrap());
-        let fields: Vec<&str> = stat[close + 1..].split_whitespace().collect();
-        out.push((
-            stat[open + 1..close].to_owned(),
-            fields[16].parse().unwrap(),
-            fields[38].parse().unwrap(),
-        ));
+        let name = &stat[stat.find('(').unwrap() + 1..stat.rfind(')').unwrap()];
+        let (nice, policy) = headroom_workload::realtime::sched_of_stat(&stat).unwrap();
+        out.push((name.to_owned(), nice, policy));
     }
     out
 }

@@ -68,11 +68,16 @@ fn set_current(
     .is_ok()
 }
 
-/// The calling thread's nice value and scheduling policy, from /proc/thread-self/stat (fields 19
-/// and 41, counted from 1; the command name before them may hold spaces and parentheses).
+/// The calling thread's nice value and scheduling policy (see [`sched_of_stat`]).
 #[cfg(target_os = "linux")]
 pub fn current_thread_sched() -> Option<(i32, u32)> {
-    let stat = std::fs::read_to_string("/proc/thread-self/stat").ok()?;
+    sched_of_stat(&std::fs::read_to_string("/proc/thread-self/stat").ok()?)
+}
+
+/// A thread's nice value and scheduling policy (0 normal, 3 batch) from the text of its
+/// `/proc/…/stat`: fields 19 and 41, counted from 1; the command name before them, in
+/// parentheses, may hold spaces and parentheses itself.
+pub fn sched_of_stat(stat: &str) -> Option<(i32, u32)> {
     let fields: Vec<&str> = stat
         .get(stat.rfind(')')? + 1..)?
         .split_whitespace()
