@@ -437,9 +437,10 @@ sched = {}
 for c in ("headroom", "nginx"):
     for r in range(1, rounds + 1):
         try:
-            sched.setdefault(c, []).append(json.load(open(f"{out}/{c}-{r}/sched.json")))
+            traced = json.load(open(f"{out}/{c}-{r}/sched.json"))
         except (OSError, ValueError):
-            pass
+            continue
+        sched.setdefault(c, []).append((r, traced))
 if sched:
     lines += ["", "The scheduler on the proxies' core (SCHED=1, perf sched; scripts/sched_preemptions.py): how long the",
               "proxy's busiest thread (its worker) was runnable but not running (preempted, or woken and not yet on",
@@ -449,7 +450,7 @@ if sched:
               "| proxy | round | worker | its waits | ms | behind, ms | its runs p50 / p99 / p99.9 ms | over 0.5 ms | all threads: waits | ms | over 0.5 ms | longest ms |",
               "|---|---:|---|---:|---:|---|---:|---:|---:|---:|---:|---:|"]
     for c, rows in sched.items():
-        for k, w in enumerate(rows, 1):
+        for k, w in rows:
             if not w.get("threads"):
                 continue
             name, t = next(iter(w["threads"].items()))

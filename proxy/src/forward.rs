@@ -925,9 +925,11 @@ impl Headroom {
                 Err(e) => return Attempt::Failed(e),
             },
             Some(host) => match upstream_header(&out) {
-                Ok(header) => {
-                    Either::Right(self.send_tls(backend, addr, host, header, body, on_sent))
-                }
+                // Boxed: pingora's connector makes this future ten times the plaintext one's
+                // size, and every request would copy the larger of the two as it starts.
+                Ok(header) => Either::Right(Box::pin(
+                    self.send_tls(backend, addr, host, header, body, on_sent),
+                )),
                 Err(e) => return Attempt::Failed(e),
             },
         };

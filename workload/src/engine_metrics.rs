@@ -39,36 +39,46 @@ impl EngineGauges {
         // is their mean, where counts and totals add up.
         let mut kv_engines = 0.0;
         for line in text.lines() {
-            let Some((name, labels, value)) = sample(line) else {
+            // Most lines are comments and histogram buckets: the name alone says whether the rest
+            // of a line (labels, value) is worth reading.
+            let Some((name, rest)) = split_name(line) else {
                 continue;
             };
-            let slot = match name {
-                "vllm:num_requests_running" => &mut g.running,
-                "vllm:num_requests_waiting" => &mut g.waiting,
-                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => {
-                    kv_engines += 1.0;
-                    &mut g.kv_usage
-                }
-                "vllm:num_preemptions_total" => &mut g.preemptions_total,
+            let (slot, is_kv) = match name {
+                "vllm:num_requests_running" => (&mut g.running, false),
+                "vllm:num_requests_waiting" => (&mut g.waiting, false),
+                "vllm:kv_cache_usage_perc" | "vllm:gpu_cache_usage_perc" => (&mut g.kv_usage, true),
+                "vllm:num_preemptions_total" => (&mut g.preemptions_total, false),
                 "vllm:prefix_cache_queries_total" | "vllm:gpu_prefix_cache_queries_total" => {
-                    &mut g.prefix_queries_total
+                    (&mut g.prefix_queries_total, false)
                 }
                 "vllm:prefix_cache_hits_total" | "vllm:gpu_prefix_cache_hits_total" => {
-                    &mut g.prefix_hits_total
+                    (&mut g.prefix_hits_total, false)
                 }
-                "vllm:prompt_tokens_total" => &mut g.prompt_tokens_total,
-                "vllm:generation_tokens_total" => &mut g.generation_tokens_total,
+                "vllm:prompt_tokens_total" => (&mut g.prompt_tokens_total, false),
+                "vllm:generation_tokens_total" => (&mut g.generation_tokens_total, false),
                 "process_start_time_seconds" => {
-                    g.process_start_time = Some(value);
+                    if let Some((_, value)) = labels_and_value(rest) {
+                        g.process_start_time = Some(value);
+                    }
                     continue;
                 }
                 "vllm:cache_config_info" => {
-                    g.num_gpu_blocks = label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
-                    g.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
+                    if let Some((labels, _)) = labels_and_value(rest) {
+                        g.num_gpu_blocks =
+                            label(labels, "num_gpu_blocks").and_then(|v| v.parse().ok());
+                        g.block_size = label(labels, "block_size").and_then(|v| v.parse().ok());
+                    }
                     continue;
                 }
                 _ => continue,
             };
+            let Some((_, value)) = labels_and_value(rest) else {
+                continue;
+            };
+            if is_kv {
+                kv_engines += 1.0;
+            }
             *slot = Some(slot.unwrap_or(0.0) + value);
         }
         if kv_engines > 1.0 {
@@ -139,24 +149,30 @@ pub fn prefix_counters(text: &str) -> Option<(f64, f64)> {
     Some((g.prefix_queries_total?, g.prefix_hits_total?))
 }
 
-/// Splits one sample line into name, label text (without braces) and value. Comments, blank lines
-/// and unparsable values give `None`.
-fn sample(line: &str) -> Option<(&str, &str, f64)> {
+/// Splits one sample line into its name and the rest (label text in braces, if any, then the
+/// value). Comments and blank lines give `None`.
+fn split_name(line: &str) -> Option<(&str, &str)> {
     let line = line.trim();
     if line.is_empty() || line.starts_with('#') {
         return None;
     }
-    let (name, labels, rest) = match line.find(['{', ' ']) {
-        Some(i) if line.as_bytes()[i] == b'{' => {
-            let close = line[i..].rfind('}')? + i;
-            (&line[..i], &line[i + 1..close], &line[close + 1..])
+    let i = memchr::memchr2(b'{', b' ', line.as_bytes())?;
+    Some((&line[..i], &line[i..]))
+}
+
+/// The label text (without braces) and the value of the rest of a sample line after its name;
+/// `None` when the value does not parse.
+fn labels_and_value(rest: &str) -> Option<(&str, f64)> {
+    let (labels, rest) = match rest.strip_prefix('{') {
+        Some(inner) => {
+            let close = inner.rfind('}')?;
+            (&inner[..close], &inner[close + 1..])
         }
-        Some(i) => (&line[..i], "", &line[i..]),
-        None => return None,
+        None => ("", rest),
     };
     // The value, then an optional timestamp.
     let value = rest.split_whitespace().next()?.parse().ok()?;
-    Some((name, labels, value))
+    Some((labels, value))
 }
 
 /// The value of label `name` in a label text such as `a="1",b="x"`.
@@ -244,5 +260,33 @@ vllm:num_requests_running_total_bogus 9
         let g = EngineGauges::parse("vllm:num_requests_running{engine=\"0\"} NaNx\ngarbage{\n");
         assert_eq!(g, EngineGauges::default());
         assert_eq!(prefix_counters(""), None);
+    }
+
+    #[test]
+    fn reads_only_the_named_series_whatever_surrounds_them() {
+        // Look-alike names (a histogram's buckets, a longer name with a wanted one as its prefix),
+        // comments naming a wanted series, indented lines, a timestamp after the value, a label
+        // value holding a brace, a garbled line of another series, and a wanted series whose value
+        // is garbled between two good ones.
+        let g = EngineGauges::parse(
+            "# HELP vllm:num_requests_running 9\n\
+             # TYPE vllm:num_requests_waiting gauge\n\
+             vllm:num_requests_running_bucket{le=\"1\"} 100\n\
+             vllm:num_requests_runningx 100\n\
+             vllm:e2e_request_latency_seconds_sum{model_name=\"m\"} garbled\n\
+             \x20 vllm:num_requests_running{engine=\"0\"} 2 1700000000000\n\
+             vllm:num_requests_running{engine=\"1\"} x\n\
+             vllm:num_requests_running 3\n\
+             vllm:num_requests_waiting{model_name=\"a}b\"} 4\n\
+             vllm:kv_cache_usage_perc{engine=\"0\"} 0.2\n\
+             vllm:kv_cache_usage_perc{engine=\"1\"} bad\n\
+             vllm:cache_config_info{block_size=\"16\",num_gpu_blocks=\"11\"} 1.0\n",
+        );
+        assert_eq!(g.running, Some(5.0));
+        assert_eq!(g.waiting, Some(4.0));
+        // The garbled engine is not counted in the mean.
+        assert_eq!(g.kv_usage, Some(0.2));
+        assert_eq!(g.kv_capacity_tokens(), Some(160));
+        assert_eq!(g.preemptions_total, None);
     }
 }

@@ -137,8 +137,13 @@ pub async fn scrape_loop(
             let Some(resp) = get_ok(client, format!("{}/metrics", b.url), timeout).await else {
                 return;
             };
-            let Ok(text) = resp.text().await else {
+            let Ok(body) = resp.bytes().await else {
                 return;
+            };
+            // An exposition is UTF-8: checked in one pass, copied and repaired only if it is not.
+            let text = match std::str::from_utf8(&body) {
+                Ok(text) => std::borrow::Cow::Borrowed(text),
+                Err(_) => String::from_utf8_lossy(&body),
             };
             let own_in_flight = b.load().in_flight;
             let gauges = EngineGauges::parse(&text);
