@@ -153,48 +153,24 @@ impl ClientConn {
         let Inner::Plain(plain) = &self.inner else {
             return None;
         };
-        if data.is_empty() {
-            // A chunk of size 0 would end the body.
-            return Some(Ok(()));
-        }
-        let mut size = [0u8; 18];
-        let size = chunk_size_line(data.len(), &mut size);
-        let mut parts = [
-            std::io::IoSlice::new(size),
-            std::io::IoSlice::new(data),
-            std::io::IoSlice::new(b"\r\n"),
-        ];
-        let mut left: &mut [std::io::IoSlice<'_>] = &mut parts;
-        // The client must take the whole chunk within `timeout` of the first write that finds
-        // its socket full (a token stream's chunk is small: only a client that stopped reading
-        // misses it). The socket reads as writable again only once about a third of its buffer
-        // has drained, as it does for pingora's writes and nginx's.
-        let mut deadline = None;
-        while !left.is_empty() {
-            if self.is_aborted() {
-                return Some(Err(aborted()));
-            }
-            match plain.tcp.try_write_vectored(left) {
-                Ok(0) => return Some(Err(std::io::ErrorKind::WriteZero.into())),
-                Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
-                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
-                    let until =
-                        *deadline.get_or_insert_with(|| tokio::time::Instant::now() + timeout);
-                    match tokio::time::timeout_at(until, plain.tcp.writable()).await {
-                        Ok(Ok(())) => {}
-                        Ok(Err(e)) => return Some(Err(e)),
-                        Err(_) => {
-                            return Some(Err(std::io::Error::new(
-                                std::io::ErrorKind::TimedOut,
-                                "the client did not take a chunk within timeouts.client_write_ms",
-                            )));
-                        }
-                    }
-                }
-                Err(e) => return Some(Err(e)),
-            }
-        }
-        Some(Ok(()))
+        Some(write_chunk_to(&plain.tcp, data, timeout, || self.is_aborted()).await)
+    }
+
+    /// A second handle on a plaintext client's socket (a duplicated descriptor, registered with
+    /// the runtime on its own), for a relay that runs as a task of its own while the request's
+    /// task waits for it; `None` for any other connection. The connection stays this one's:
+    /// dropping the handle leaves it open.
+    pub fn relay_handle(&self) -> Option<std::io::Result<RelayClient>> {
+        use std::os::fd::AsFd;
+        let Inner::Plain(plain) = &self.inner else {
+            return None;
+        };
+        Some((|| {
+            let fd = plain.tcp.as_fd().try_clone_to_owned()?;
+            // The duplicate shares the socket's open file, non-blocking already.
+            let tcp = tokio::net::TcpStream::from_std(std::net::TcpStream::from(fd))?;
+            Ok(RelayClient { tcp })
+        })())
     }
 
     /// The connection of a pingora stream, when it is one.
@@ -244,6 +220,83 @@ impl ClientConn {
             self.phase = Phase::Header(Box::pin(tokio::time::sleep(self.limits.header)));
         }
     }
+}
+
+/// A relay's own handle on a plaintext client's socket ([`ClientConn::relay_handle`]): it writes
+/// a chunked body's chunks and watches for the client going away, as the request's connection
+/// would, while nothing else reads or writes the connection.
+#[derive(Debug)]
+pub struct RelayClient {
+    tcp: tokio::net::TcpStream,
+}
+
+impl RelayClient {
+    /// Writes one chunk of a chunked body, as [`ClientConn::write_chunk`] does.
+    pub async fn write_chunk(&self, data: &[u8], timeout: Duration) -> std::io::Result<()> {
+        write_chunk_to(&self.tcp, data, timeout, || false).await
+    }
+
+    /// Returns when the client has gone: its end of the connection closed (or failed) with
+    /// nothing sent after its request. Bytes it did send are the start of its next request
+    /// (pipelining, RFC 9112 §9.3.2): they stay in the socket for the connection's next read and
+    /// the watch ends there, never returning, as pingora's does; a client gone after them shows
+    /// when a write fails.
+    pub async fn closed(&self) {
+        let mut probe = [0u8; 1];
+        match self.tcp.peek(&mut probe).await {
+            Ok(0) | Err(_) => {}
+            Ok(_) => std::future::pending().await,
+        }
+    }
+}
+
+/// Writes one chunk (its size line, `data` and the line end) to `tcp`; a chunk of size 0 would end
+/// the body, so empty data writes nothing. The client must take the whole chunk within `timeout`
+/// of the first write that finds its socket full (a token stream's chunk is small: only a client
+/// that stopped reading misses it). The socket reads as writable again only once about a third of
+/// its buffer has drained, as it does for pingora's writes and nginx's.
+async fn write_chunk_to(
+    tcp: &tokio::net::TcpStream,
+    data: &[u8],
+    timeout: Duration,
+    is_aborted: impl Fn() -> bool,
+) -> std::io::Result<()> {
+    if data.is_empty() {
+        return Ok(());
+    }
+    let mut size = [0u8; 18];
+    let size = chunk_size_line(data.len(), &mut size);
+    let mut parts = [
+        std::io::IoSlice::new(size),
+        std::io::IoSlice::new(data),
+        std::io::IoSlice::new(b"\r\n"),
+    ];
+    let mut left: &mut [std::io::IoSlice<'_>] = &mut parts;
+    let mut deadline = None;
+    while !left.is_empty() {
+        if is_aborted() {
+            return Err(aborted());
+        }
+        match tcp.try_write_vectored(left) {
+            Ok(0) => return Err(std::io::ErrorKind::WriteZero.into()),
+            Ok(n) => std::io::IoSlice::advance_slices(&mut left, n),
+            Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {
+                let until = *deadline.get_or_insert_with(|| tokio::time::Instant::now() + timeout);
+                match tokio::time::timeout_at(until, tcp.writable()).await {
+                    Ok(Ok(())) => {}
+                    Ok(Err(e)) => return Err(e),
+                    Err(_) => {
+                        return Err(std::io::Error::new(
+                            std::io::ErrorKind::TimedOut,
+                            "the client did not take a chunk within timeouts.client_write_ms",
+                        ));
+                    }
+                }
+            }
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
 }
 
 impl AsyncRead for ClientConn {
@@ -585,6 +638,61 @@ mod tests {
         let mut got = Vec::new();
         client.read_to_end(&mut got).await.expect("read");
         assert_eq!(got, b"head");
+    }
+
+    #[tokio::test]
+    async fn a_relay_handle_writes_chunks_and_sees_the_client_leave() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (server, mut client) = pair().await;
+        let conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let relay = conn.relay_handle().expect("plaintext").expect("dup");
+        relay
+            .write_chunk(b"data: x\n\n", Duration::from_secs(1))
+            .await
+            .expect("write");
+        let mut got = [0u8; 14];
+        client.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"9\r\ndata: x\n\n\r\n");
+        // Still there: the watch waits.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(50), relay.closed())
+                .await
+                .is_err()
+        );
+        client.shutdown().await.expect("shutdown");
+        tokio::time::timeout(Duration::from_secs(5), relay.closed())
+            .await
+            .expect("the watch sees the client's end");
+        // The handle is a second one: dropping it leaves the connection to the first.
+        drop(relay);
+        let mut conn = conn;
+        conn.write_all(b"0\r\n\r\n")
+            .await
+            .expect("the connection is still open");
+    }
+
+    #[tokio::test]
+    async fn a_pipelined_request_is_left_for_the_connection_and_not_taken_for_a_leave() {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        let (server, mut client) = pair().await;
+        let mut conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let relay = conn.relay_handle().expect("plaintext").expect("dup");
+        client
+            .write_all(b"GET / HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        // The next request's bytes arrived: the client is not gone, and the watch never ends.
+        assert!(
+            tokio::time::timeout(Duration::from_millis(200), relay.closed())
+                .await
+                .is_err()
+        );
+        drop(relay);
+        let mut next = [0u8; 16];
+        conn.read_exact(&mut next)
+            .await
+            .expect("the bytes wait for the connection");
+        assert_eq!(&next, b"GET / HTTP/1.1\r\n");
     }
 
     #[tokio::test]

@@ -19,6 +19,7 @@ use pingora::upstreams::peer::HttpPeer;
 
 use crate::admission::{self, Ask, Pick as AdmissionPick, Refusal, Room};
 use crate::app::{Headroom, RequestCtx};
+use crate::client_conn::RelayClient;
 use crate::error::{ErrorKind, ProxyError};
 use crate::routing::{BackendView, RouteRequest, RoutingPolicy};
 use crate::upstreams::{Backend, InFlight, h1};
@@ -368,17 +369,6 @@ fn request_target(down: &RequestHeader) -> &[u8] {
         .as_bytes()
 }
 
-/// How a relayed response is framed, on both sides.
-#[derive(Debug, Clone, Copy)]
-struct Framing {
-    /// An SSE stream, read event by event.
-    sse: bool,
-    /// A chunked body to a plaintext client, whose chunks the relay writes to its socket itself.
-    direct: bool,
-    /// The engine ends it by closing its connection, which says nothing of whether it finished.
-    close_delimited: bool,
-}
-
 /// Whether `resp`, about to be written, has a chunked body (its last transfer coding `chunked`,
 /// and a body allowed: not `HEAD`, 204 or 304), whose chunks the relay may frame itself.
 fn chunked_body(session: &Session, resp: &ResponseHeader) -> bool {
@@ -408,6 +398,130 @@ fn end_client_connection(session: &Session) {
 /// turn waits for every task that was ready to run.
 pub(crate) async fn let_streams_through() {
     tokio::task::yield_now().await;
+}
+
+/// How a relay's pump ended.
+enum Pumped {
+    /// The replica's body ended (or its last bytes went out).
+    Complete,
+    /// The client went away or stopped taking bytes.
+    ClientGone,
+    /// The replica cut the body off.
+    Cut(Cut),
+}
+
+/// What the pump is held to, from the config.
+#[derive(Clone, Copy)]
+struct PumpLimits {
+    write_timeout: Duration,
+    first_byte: Duration,
+    idle: Duration,
+    max_event: usize,
+    /// The engine ends its body by closing its connection, which says nothing of whether it
+    /// finished.
+    close_delimited: bool,
+}
+
+/// Where the pump sends a body's chunks and watches for the client leaving.
+enum ClientSide<'a> {
+    /// Through the request's session (`direct`: a chunked body straight to a plaintext socket).
+    Session {
+        session: &'a mut Session,
+        direct: bool,
+    },
+    /// Through the relay's own handle on a plaintext client, from a task of its own.
+    Relay(&'a RelayClient),
+}
+
+impl ClientSide<'_> {
+    /// Passes one chunk on; false when the client is gone or took nothing in time.
+    async fn send(&mut self, bytes: Bytes, timeout: Duration) -> bool {
+        match self {
+            ClientSide::Session { session, direct } => {
+                send_chunk(session, bytes, *direct, timeout).await
+            }
+            ClientSide::Relay(client) => client.write_chunk(&bytes, timeout).await.is_ok(),
+        }
+    }
+
+    /// Returns when the client has gone.
+    async fn gone(&mut self) {
+        match self {
+            ClientSide::Session { session, .. } => {
+                let _ = session.as_downstream_mut().read_body_or_idle(true).await;
+            }
+            ClientSide::Relay(client) => client.closed().await,
+        }
+    }
+}
+
+/// Moves the body from the replica to the client through the meter until the replica ends it,
+/// fails, falls silent, or the client goes away.
+async fn pump(
+    up: &mut Upstream,
+    meter: &mut ResponseMeter,
+    guard: &mut InFlight,
+    mut client: ClientSide<'_>,
+    limits: PumpLimits,
+) -> Pumped {
+    // Engines send the header at once and the first chunk after queueing and prefill, so the
+    // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
+    let mut wait = limits.first_byte;
+    // One timer for the whole response, re-armed only when it fires early: re-registering a
+    // timer per chunk would cost more than relaying the chunk.
+    let mut last_chunk = tokio::time::Instant::now();
+    let silence = tokio::time::sleep_until(last_chunk + wait);
+    tokio::pin!(silence);
+    loop {
+        tokio::select! {
+            // The replica first: an end of stream that is already there wins over a client that
+            // hung up after reading it.
+            biased;
+            r = up.read_body() => match r {
+                Ok(Some(chunk)) => {
+                    last_chunk = tokio::time::Instant::now();
+                    if wait != limits.idle {
+                        // The first chunk: from now on silence is measured against idle_ms.
+                        wait = limits.idle;
+                        silence.as_mut().reset(last_chunk + limits.idle);
+                    }
+                    let passed = meter.on_chunk(chunk, last_chunk.into_std());
+                    if meter.buffered() > limits.max_event {
+                        // A line that never ends would grow without bound: cut it off.
+                        return Pumped::Cut(Cut::Oversized(limits.max_event));
+                    }
+                    if passed.first_output {
+                        guard.first_output();
+                    }
+                    if let Some(bytes) = passed.forward {
+                        if !client.send(bytes, limits.write_timeout).await {
+                            return Pumped::ClientGone;
+                        }
+                    }
+                    // Output instants are when the client's connection got the bytes.
+                    meter.delivered(std::time::Instant::now());
+                    if up.done() {
+                        // The last bytes (a body of known length): the client may have them and
+                        // hang up at once, which is a finished request, not a lost one.
+                        return Pumped::Complete;
+                    }
+                }
+                Ok(None) if meter.broken_off() || (limits.close_delimited && meter.unfinished()) => {
+                    return Pumped::Cut(Cut::Closed);
+                }
+                Ok(None) => return Pumped::Complete,
+                Err(_) => return Pumped::Cut(Cut::Closed),
+            },
+            () = &mut silence => {
+                let deadline = last_chunk + wait;
+                if tokio::time::Instant::now() >= deadline {
+                    return Pumped::Cut(Cut::Silent(wait));
+                }
+                silence.as_mut().reset(deadline);
+            }
+            () = client.gone() => return Pumped::ClientGone,
+        }
+    }
 }
 
 /// Passes one chunk on to the client: a chunked body's straight to a plaintext client's socket
@@ -799,7 +913,7 @@ impl Headroom {
             tried.push(backend.id);
             ctx.backend = Some(backend.name.clone());
             let uncached = out.route.prompt_tokens.saturating_sub(pick.matched_tokens);
-            let mut guard = InFlight::new(backend.clone(), u64::from(uncached));
+            let guard = InFlight::new(backend.clone(), u64::from(uncached));
 
             // The replica holds the prompt's blocks while the request runs and frees them when
             // it ends: the policy is told both, however the attempt ends.
@@ -878,7 +992,7 @@ impl Headroom {
                 self.fleet.request_succeeded(&backend);
             }
             ctx.status = status;
-            return Ok(self.relay(session, ctx, started, &mut guard).await);
+            return Ok(self.relay(session, ctx, started, guard).await);
         }
         Err(last_err.unwrap_or_else(|| ProxyError::new(ErrorKind::NoBackend, "no attempt made")))
     }
@@ -1038,7 +1152,7 @@ impl Headroom {
         session: &mut Session,
         ctx: &mut RequestCtx,
         started: Box<Started>,
-        guard: &mut InFlight,
+        mut guard: InFlight,
     ) -> Ended {
         let Started { mut up, mut resp } = *started;
         let backend = guard.backend().clone();
@@ -1101,21 +1215,66 @@ impl Headroom {
         if ctx.mirror.as_ref().is_some_and(|m| m.wants_digest()) {
             meter = meter.with_digest();
         }
-        let ended = if end_now {
-            Ended::Complete
+        let pumped = if end_now {
+            Pumped::Complete
         } else {
-            let framing = Framing {
-                sse: is_sse,
-                direct,
+            let limits = PumpLimits {
+                write_timeout: Duration::from_millis(self.cfg.timeouts.client_write_ms),
+                first_byte: Duration::from_millis(self.cfg.timeouts.first_byte_ms),
+                idle: Duration::from_millis(self.cfg.timeouts.idle_ms),
+                max_event: self.cfg.limits.max_event_bytes as usize,
                 close_delimited,
             };
-            self.pump(session, &mut up, &mut meter, guard, framing)
-                .await
+            // A plaintext replica's body to a plaintext client goes through a task of its own:
+            // each chunk then wakes and runs that small task alone, not the request's whole
+            // stack of futures (pingora's and the proxy's, each touched cold once per chunk).
+            let detached = match (&up, direct) {
+                (Upstream::Plain(_), true) => {
+                    crate::app::client_conn(session).and_then(|c| c.relay_handle())
+                }
+                _ => None,
+            };
+            match detached {
+                Some(Ok(client)) => {
+                    let task = tokio::task::spawn(async move {
+                        let end = pump(
+                            &mut up,
+                            &mut meter,
+                            &mut guard,
+                            ClientSide::Relay(&client),
+                            limits,
+                        )
+                        .await;
+                        (end, up, meter, guard)
+                    });
+                    // Dropped (the request's task cancelled), the handle stops the relay too.
+                    match tokio_util::task::AbortOnDropHandle::new(task).await {
+                        Ok(back) => {
+                            let end;
+                            (end, up, meter, guard) = back;
+                            end
+                        }
+                        Err(e) => std::panic::resume_unwind(e.into_panic()),
+                    }
+                }
+                handle => {
+                    if let Some(Err(e)) = handle {
+                        tracing::debug!("the relay's own handle on the client failed: {e}");
+                    }
+                    let client = ClientSide::Session { session, direct };
+                    pump(&mut up, &mut meter, &mut guard, client, limits).await
+                }
+            }
         };
-        let rest = meter.finish(std::time::Instant::now(), matches!(ended, Ended::Complete));
+        let rest = meter.finish(
+            std::time::Instant::now(),
+            matches!(pumped, Pumped::Complete),
+        );
         ctx.meter = Some(meter);
-        if !matches!(ended, Ended::Complete) {
-            return ended;
+        match pumped {
+            Pumped::Complete => {}
+            Pumped::ClientGone => return self.client_gone(session, &backend),
+            Pumped::Cut(cut) => return self.upstream_cut(session, &backend, is_sse, cut).await,
         }
         if rest.is_some() && session.write_response_body(rest, false).await.is_err() {
             return self.client_gone(session, &backend);
@@ -1137,89 +1296,6 @@ impl Headroom {
             }
         }
         Ended::Complete
-    }
-
-    /// Moves the body from the replica to the client through the meter until the replica ends
-    /// it, fails, falls silent, or the client goes away.
-    async fn pump(
-        &self,
-        session: &mut Session,
-        up: &mut Upstream,
-        meter: &mut ResponseMeter,
-        guard: &mut InFlight,
-        framing: Framing,
-    ) -> Ended {
-        let Framing {
-            sse: is_sse,
-            direct,
-            close_delimited,
-        } = framing;
-        let backend = guard.backend().clone();
-        let write_timeout = Duration::from_millis(self.cfg.timeouts.client_write_ms);
-        // Engines send the header at once and the first chunk after queueing and prefill, so the
-        // silence before the first chunk is bounded by the first-byte timeout, not the idle one.
-        let idle = Duration::from_millis(self.cfg.timeouts.idle_ms);
-        let max_event = self.cfg.limits.max_event_bytes as usize;
-        let mut wait = Duration::from_millis(self.cfg.timeouts.first_byte_ms);
-        // One timer for the whole response, re-armed only when it fires early: re-registering a
-        // timer per chunk would cost more than relaying the chunk.
-        let mut last_chunk = tokio::time::Instant::now();
-        let silence = tokio::time::sleep_until(last_chunk + wait);
-        tokio::pin!(silence);
-        loop {
-            tokio::select! {
-                // The replica first: an end of stream that is already there wins over a client
-                // that hung up after reading it.
-                biased;
-                r = up.read_body() => match r {
-                    Ok(Some(chunk)) => {
-                        last_chunk = tokio::time::Instant::now();
-                        if wait != idle {
-                            // The first chunk: from now on silence is measured against idle_ms.
-                            wait = idle;
-                            silence.as_mut().reset(last_chunk + idle);
-                        }
-                        let passed = meter.on_chunk(chunk, last_chunk.into_std());
-                        if meter.buffered() > max_event {
-                            // A line that never ends would grow without bound: cut it off.
-                            return self
-                                .upstream_cut(session, &backend, is_sse, Cut::Oversized(max_event))
-                                .await;
-                        }
-                        if passed.first_output {
-                            guard.first_output();
-                        }
-                        if let Some(bytes) = passed.forward {
-                            if !send_chunk(session, bytes, direct, write_timeout).await {
-                                return self.client_gone(session, &backend);
-                            }
-                        }
-                        // Output instants are when the client's connection got the bytes.
-                        meter.delivered(std::time::Instant::now());
-                        if up.done() {
-                            // The last bytes (a body of known length): the client may have them
-                            // and hang up at once, which is a finished request, not a lost one.
-                            return Ended::Complete;
-                        }
-                    }
-                    Ok(None) if meter.broken_off() || (close_delimited && meter.unfinished()) => {
-                        return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await;
-                    }
-                    Ok(None) => return Ended::Complete,
-                    Err(_) => return self.upstream_cut(session, &backend, is_sse, Cut::Closed).await,
-                },
-                () = &mut silence => {
-                    let deadline = last_chunk + wait;
-                    if tokio::time::Instant::now() >= deadline {
-                        return self.upstream_cut(session, &backend, is_sse, Cut::Silent(wait)).await;
-                    }
-                    silence.as_mut().reset(deadline);
-                }
-                _ = session.as_downstream_mut().read_body_or_idle(true) => {
-                    return self.client_gone(session, &backend);
-                }
-            }
-        }
     }
 
     /// The client went away or stopped taking bytes in the middle of a response: the connection
