@@ -36,7 +36,11 @@
 #                                                # (scripts/wire_latency.py); KEEP_PCAP=1 keeps the
 #                                                # captures in OUT/<proxy>-<round>/wire.pcap; with
 #                                                # PIN=1 also what the machine takes from the proxies'
-#                                                # core (scripts/cpu_pauses.py, direct rounds)
+#                                                # core (scripts/cpu_pauses.py, direct rounds); the
+#                                                # direct rounds are captured too, and each path's
+#                                                # share of every request's TTFT (the client's TTFT
+#                                                # less the replica's own on the wire) is reported,
+#                                                # free of the replica's lateness on the load core
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -226,10 +230,11 @@ for round in $(seq "$ROUNDS"); do
       taskset -c "$SUT_CPUS" python3 scripts/cpu_pauses.py "$DURATION" --json "$dir-pauses.json" >/dev/null &
       pausing=$!
     fi
-    if [ "$WIRE" = 1 ] && [ -n "$watch" ]; then
+    if [ "$WIRE" = 1 ]; then
       # Packets with a payload only (no bare ACKs), on the load cores: the capture's kernel side
       # runs in each sender's system call, alike for both proxies; its reader must not take the
-      # proxy's core. -Z root: the file is written where this script writes.
+      # proxy's core. -Z root: the file is written where this script writes. Direct rounds are
+      # captured too (the replica's port alone), for the replica's own TTFT on the wire.
       proxy_port=${url##*:}
       "${wire_on[@]}" tcpdump -Z root -i lo -s 0 -B 262144 --time-stamp-precision nano -w "$dir-wire.pcap" \
         "tcp and (port $proxy_port or port ${sim_hostport##*:}) and ((ip[2:2] - ((ip[0]&0xf)<<2) - ((tcp[12]&0xf0)>>2)) != 0 or tcp[tcpflags] & (tcp-syn|tcp-fin|tcp-rst) != 0)" \
@@ -256,8 +261,11 @@ for round in $(seq "$ROUNDS"); do
       kill -INT "$wiring"; wait "$wiring" || true
       mv "$dir-wire.pcap" "$dir/wire.pcap"; mv "$dir-wire.log" "$dir/wire.log"
       dropped=$(sed -n 's/^\([0-9]*\) packets dropped by kernel.*/\1/p' "$dir/wire.log")
-      python3 scripts/wire_latency.py "$dir/wire.pcap" --proxy-port "$proxy_port" --replica-port "${sim_hostport##*:}" \
-        --dropped "${dropped:-0}" --json "$dir/wire.json" >"$dir/wire.txt" 2>&1 || {
+      legs=(--proxy-port "$proxy_port")
+      [ -z "$watch" ] && legs=(--direct)
+      python3 scripts/wire_latency.py "$dir/wire.pcap" "${legs[@]}" --replica-port "${sim_hostport##*:}" \
+        --dropped "${dropped:-0}" --json "$dir/wire.json" --per-request "$dir/wire_requests.csv" \
+        >"$dir/wire.txt" 2>&1 || {
         cat "$dir/wire.txt" >&2
         echo "the capture is kept for a look: $dir/wire.pcap" >&2
         KEEP_PCAP=1
@@ -432,6 +440,48 @@ if wire:
         lines.append(f"- {c}: " + "; ".join(f"{w['ttft_share_us']['p50']:.0f} / {w['ttft_share_us']['p99']:.0f} and "
                                              f"{w['event_us']['p50']:.0f} / {w['event_us']['p99']:.0f}"
                                              for w in rows if w["event_us"]["n"] and w["ttft_share_us"]["n"]))
+def pct(xs, q):
+    xs = sorted(xs)
+    if not xs:
+        return float("nan")
+    k = (len(xs) - 1) * q
+    f = int(k)
+    return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f)
+# WIRE=1: each request's TTFT at the client less the replica's own TTFT on the wire for the same
+# request (by x-request-id): what the path added (the client's sends and wake-ups, and a proxy's
+# hop), free of the replica's own lateness, which on the shared load core moves every path's p99
+# by milliseconds from round to round.
+import csv
+def path_shares(config, r):
+    try:
+        with open(f"{out}/{config}-{r}/wire_requests.csv") as f:
+            replica = {row["request_id"]: float(row["replica_ttft_us"]) / 1e3
+                       for row in csv.DictReader(f) if row["replica_ttft_us"]}
+        with open(f"{out}/{config}-{r}/requests.csv") as f:
+            client = {row["request_id"]: float(row["ttft_ms"]) for row in csv.DictReader(f)
+                      if row["status"] == "200" and row["ttft_ms"] and row["warmup"] != "true"}
+    except (OSError, ValueError, KeyError):
+        return []
+    return [client[k] - replica[k] for k in client.keys() & replica.keys()]
+shares = {c: [x for x in (path_shares(c, r) for r in range(1, rounds + 1)) if x]
+          for c in ("direct", "headroom", "nginx")}
+if shares["direct"] and (shares["headroom"] or shares["nginx"]):
+    def share_at(c, q):
+        return statistics.median(pct(x, q) for x in shares[c])
+    lines += ["", "The path's share of each request's TTFT (WIRE=1): the client's TTFT less the replica's own on the",
+              "wire for the same request (its request's last byte in to its first output event out), so the",
+              "replica's lateness on the shared load core, which moves every path's TTFT p99 by milliseconds",
+              "between rounds, cancels out; what is left is the client's own sends and wake-ups and, through a",
+              "proxy, its hop. Percentiles of each round's requests, median over rounds; added: against direct.", "",
+              "| path | requests joined | share p50 / p99 ms | added p50 / p99 ms | each round p50 / p99 ms |",
+              "|---|---:|---:|---:|---|"]
+    for c in ("direct", "headroom", "nginx"):
+        if not shares[c]:
+            continue
+        added = "" if c == "direct" else \
+            f"{share_at(c, 0.5) - share_at('direct', 0.5):+.2f} / {share_at(c, 0.99) - share_at('direct', 0.99):+.2f}"
+        lines.append(f"| {c} | {sum(map(len, shares[c]))} | {share_at(c, 0.5):.2f} / {share_at(c, 0.99):.2f} | {added} | "
+                     + "; ".join(f"{pct(x, 0.5):.2f} / {pct(x, 0.99):.2f}" for x in shares[c]) + " |")
 # SCHED=1: how long each proxy's threads sat runnable but not running on their core, and what ran.
 sched = {}
 for c in ("headroom", "nginx"):
@@ -461,13 +511,6 @@ if sched:
                          f"{w['wait_ms']:.1f} | {w['long_waits']} | {w['max_wait_ms']:.2f} |")
 # The mixed rounds (MIX=1): each path's TTFT percentiles over its own turns, each round, and what
 # each proxy adds to the direct turns of the same round.
-def pct(xs, q):
-    xs = sorted(xs)
-    if not xs:
-        return float("nan")
-    k = (len(xs) - 1) * q
-    f = int(k)
-    return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f)
 mixed = []
 for r in range(1, rounds + 1):
     try:

@@ -90,7 +90,51 @@ def run(cap, *extra):
             return p, json.load(f)
 
 
+def run_direct(cap, *extra):
+    """wire_latency.py --direct on `cap`: (process, json, per-request CSV lines)."""
+    with tempfile.TemporaryDirectory() as d:
+        path = os.path.join(d, "wire.pcap")
+        cap.write(path)
+        out, rows = os.path.join(d, "wire.json"), os.path.join(d, "requests.csv")
+        p = subprocess.run([sys.executable, os.path.join(HERE, "wire_latency.py"), path, "--direct",
+                            "--replica-port", str(REPLICA), "--json", out, "--per-request", rows, *extra],
+                           capture_output=True, text=True)
+        if not os.path.exists(out):
+            return p, None, None
+        with open(out) as f, open(rows) as g:
+            return p, json.load(f), g.read().splitlines()
+
+
 class WireLatency(unittest.TestCase):
+    def test_a_capture_without_a_proxy_gives_each_requests_ttft_at_the_replica(self):
+        cap = Capture()
+        request = b'POST /v1/completions HTTP/1.1\r\nx-request-id: d1\r\ncontent-length: 2\r\n\r\n'
+        cap.send(2.000000, CLIENT, REPLICA, request)
+        cap.send(2.000020, CLIENT, REPLICA, b"{}")
+        cap.send(2.020000, REPLICA, CLIENT, SSE_HEAD)
+        cap.send(2.020100, REPLICA, CLIENT, chunk(ROLE))
+        cap.send(2.020500, REPLICA, CLIENT, chunk(OUTPUT))
+        cap.send(2.031000, REPLICA, CLIENT, chunk(DONE) + b"0\r\n\r\n")
+        p, r, rows = run_direct(cap)
+        self.assertEqual(p.returncode, 0, p.stderr)
+        self.assertEqual(r["requests"], 1)
+        # From the request's last byte to the first output-bearing event (the role-only one is not).
+        self.assertAlmostEqual(r["replica_ttft_us"]["p50"], 20500 - 20, places=3)
+        self.assertEqual(rows, ["request_id,request_us,first_event_us,replica_ttft_us", "d1,,,20480.000"])
+        # A proxy's port and --direct together are refused, as is neither.
+        p, _, _ = run_direct(cap, "--proxy-port", str(PROXY))
+        self.assertNotEqual(p.returncode, 0)
+
+    def test_each_requests_times_are_written_by_its_id(self):
+        cap = Capture()
+        one_stream(cap)
+        with tempfile.TemporaryDirectory() as d:
+            rows = os.path.join(d, "rows.csv")
+            p, r = run(cap, "--per-request", rows)
+            self.assertEqual(p.returncode, 0, p.stderr)
+            with open(rows) as f:
+                self.assertEqual(f.read().splitlines()[1], "r1,140.000,100.000,20150.000")
+
     def test_residences_are_read_from_the_packets_that_complete_each_message(self):
         cap = Capture()
         one_stream(cap)

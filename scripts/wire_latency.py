@@ -15,7 +15,15 @@ completed the message on one leg and the packet that completed it on the other:
   | CAPTURE.pcap       | tcpdump -i lo -s 0 (nanosecond or microsecond timestamps)          |
   | --proxy-port P     | the proxy's listening port: the client leg                         |
   | --replica-port R   | the replica's port: the upstream leg                               |
+  | --direct           | no proxy: the client speaks to the replica (only its TTFT is read) |
   | --dropped N        | packets tcpdump reported dropped (only reported; gaps are detected) |
+  | --per-request CSV  | also each request's times by x-request-id (µs): request, first      |
+  |                    | event, replica's TTFT on the wire                                  |
+
+The replica's TTFT on the wire (its request's last byte in to its first output-bearing event out)
+is read in both modes: subtracted from the TTFT a client measured for the same request, it leaves
+what the path (the client's own sends and wake-ups, and the proxy's hop) added, without the
+replica's own lateness.
 
 On loopback the kernel stamps a packet once, as its sender's system call hands it down, so the
 times do not depend on when the capture program, the client or the replica next get a CPU. What
@@ -384,24 +392,73 @@ def summary(xs):
             "p999": q(0.999), "max": xs[-1]}
 
 
+def write_per_request(path, rows):
+    """`rows` of (request id, request µs, first event µs, replica's TTFT µs) as CSV at `path`."""
+    if not path:
+        return
+    with open(path, "w") as f:
+        f.write("request_id,request_us,first_event_us,replica_ttft_us\n")
+        for rid, req, first, replica in rows:
+            cell = lambda v: "" if v is None else f"{v:.3f}"
+            f.write(f"{rid},{cell(req)},{cell(first)},{cell(replica)}\n")
+
+
+def direct(args, flows, packets, counts):
+    """A capture of a client speaking to the replica itself: each request's TTFT at the replica's
+    socket (request's last byte in, first output-bearing event out)."""
+    served = legs(flows, args.replica_port, False, counts)
+    rows, no_first = [], 0
+    for rid, (t_in, up) in served.items():
+        first = next((t for e, t in up if output_bearing(e)), None)
+        if first is None:
+            no_first += 1
+            continue
+        rows.append((rid, None, None, (first - t_in) / 1000.0))
+    result = {
+        "packets": packets, "dropped": args.dropped,
+        "broken_flows": sum(f.broken for f in flows.values()), "unreadable_connections": counts["unreadable"],
+        "requests": len(rows), "unanswered": counts["unanswered"], "repeated_ids": counts["repeated_ids"],
+        "requests_without_first_event": no_first, "replica_ttft_us": summary([r[3] for r in rows]),
+    }
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=1)
+    write_per_request(args.per_request, rows)
+    s = result["replica_ttft_us"]
+    print(f"{packets} packets ({args.dropped} dropped by the kernel, {result['broken_flows']} connection directions "
+          f"with a gap); {len(rows)} requests with a first output event ({no_first} without)")
+    if rows:
+        print(f"the replica's TTFT on the wire: p50 {s['p50']:.1f}, p99 {s['p99']:.1f}, max {s['max']:.1f} µs")
+    else:
+        sys.exit("no request with an output event was read: is the port right, and does the client send x-request-id?")
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("pcap")
-    ap.add_argument("--proxy-port", type=int, required=True)
+    ap.add_argument("--proxy-port", type=int)
+    ap.add_argument("--direct", action="store_true")
+    ap.add_argument("--per-request", metavar="CSV")
     ap.add_argument("--replica-port", type=int, required=True)
     ap.add_argument("--dropped", type=int, default=0)
     ap.add_argument("--json")
     ap.add_argument("--slowest", type=int, default=0, metavar="N",
                     help="also list the N slowest events, with when each came in (s from the capture's start)")
     args = ap.parse_args()
+    if (args.proxy_port is None) == (not args.direct):
+        ap.error("give --proxy-port (a proxy's capture) or --direct (a capture without a proxy)")
     flows = {}
     packets = read_pcap(args.pcap, flows)
     counts = {"unreadable": 0, "unanswered": 0, "repeated_ids": 0}
+    if args.direct:
+        direct(args, flows, packets, counts)
+        return
     client = legs(flows, args.proxy_port, True, counts)
     upstream = legs(flows, args.replica_port, False, counts)
     us = lambda ns: ns / 1000.0
     request_res, first_res, ttft_share, replica_ttft = [], [], [], []
     events_unmatched, requests_unmatched, no_first = 0, 0, 0
+    per_request = []  # (request id, request µs, first event µs, replica's TTFT µs)
     waits = []  # every matched event: (held ns, in, out, request id, index on the replica leg)
     for rid, (t_in, down) in client.items():
         if rid not in upstream:
@@ -427,6 +484,7 @@ def main():
             first_res.append(us(first))
             ttft_share.append(us(t_out - t_in + first))
             replica_ttft.append(us(up[first_up][1] - t_out))
+            per_request.append((rid, request_res[-1], first_res[-1], replica_ttft[-1]))
         else:
             no_first += 1
     # What the slowest events waited behind: the share of them whose time in the proxy spans the
@@ -458,6 +516,7 @@ def main():
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
+    write_per_request(args.per_request, per_request)
     fmt = lambda s: (f"n {s['n']}, mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p90 {s['p90']:.1f}, p99 {s['p99']:.1f}, "
                      f"p99.9 {s['p999']:.1f}, max {s['max']:.1f} µs") if s["n"] else "none"
     print(f"{packets} packets ({args.dropped} dropped by the kernel, {result['broken_flows']} connection "
