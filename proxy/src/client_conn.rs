@@ -12,7 +12,8 @@
 //!
 //! The proxy moves the phase from its request phases (a parsed header: `header_parsed`; a finished
 //! request: `response_done`) through an atomic the reading side takes on its next read, so a read
-//! in the Off phase, every chunk's disconnect watch included, costs one atomic load.
+//! in the Off phase, a relayed chunk's disconnect watch included, costs one atomic load. (A relay
+//! in a task of its own watches through its [`RelayClient`] instead.)
 //!
 //! A plaintext connection holds its socket itself (not pingora's stream around it), so the relay
 //! can write a stream's chunks straight to it ([`ClientConn::write_chunk`]) while pingora holds
@@ -236,17 +237,14 @@ impl RelayClient {
         write_chunk_to(&self.tcp, data, timeout, || false).await
     }
 
-    /// Returns when the client has gone: its end of the connection closed (or failed) with
-    /// nothing sent after its request. Bytes it did send are the start of its next request
-    /// (pipelining, RFC 9112 §9.3.2): they stay in the socket for the connection's next read and
-    /// the watch ends there, never returning, as pingora's does; a client gone after them shows
-    /// when a write fails.
-    pub async fn closed(&self) {
+    /// Waits until the client's side of the connection has something to say: `true` when it has
+    /// gone (its end closed or failed with nothing sent after its request), `false` when bytes
+    /// arrived, the start of its next request (pipelining, RFC 9112 §9.3.2). Those stay in the
+    /// socket for the connection's next read; the caller stops watching there, as pingora's
+    /// watch does, and a client gone after them shows when a write fails.
+    pub async fn closed(&self) -> bool {
         let mut probe = [0u8; 1];
-        match self.tcp.peek(&mut probe).await {
-            Ok(0) | Err(_) => {}
-            Ok(_) => std::future::pending().await,
-        }
+        !matches!(self.tcp.peek(&mut probe).await, Ok(n) if n > 0)
     }
 }
 
@@ -660,9 +658,12 @@ mod tests {
                 .is_err()
         );
         client.shutdown().await.expect("shutdown");
-        tokio::time::timeout(Duration::from_secs(5), relay.closed())
-            .await
-            .expect("the watch sees the client's end");
+        assert!(
+            tokio::time::timeout(Duration::from_secs(5), relay.closed())
+                .await
+                .expect("the watch sees the client's end"),
+            "a client that closed has gone"
+        );
         // The handle is a second one: dropping it leaves the connection to the first.
         drop(relay);
         let mut conn = conn;
@@ -681,12 +682,11 @@ mod tests {
             .write_all(b"GET / HTTP/1.1\r\n")
             .await
             .expect("write");
-        // The next request's bytes arrived: the client is not gone, and the watch never ends.
-        assert!(
-            tokio::time::timeout(Duration::from_millis(200), relay.closed())
-                .await
-                .is_err()
-        );
+        // The next request's bytes arrived: the client is not gone, and they are not taken.
+        let gone = tokio::time::timeout(Duration::from_secs(5), relay.closed())
+            .await
+            .expect("the watch sees the bytes");
+        assert!(!gone, "a pipelined request is not a client leaving");
         drop(relay);
         let mut next = [0u8; 16];
         conn.read_exact(&mut next)

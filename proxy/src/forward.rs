@@ -429,8 +429,13 @@ enum ClientSide<'a> {
         session: &'a mut Session,
         direct: bool,
     },
-    /// Through the relay's own handle on a plaintext client, from a task of its own.
-    Relay(&'a RelayClient),
+    /// Through the relay's own handle on a plaintext client, from a task of its own; `watching`
+    /// turns false once the client's next request has begun to arrive (it is not leaving, and
+    /// its bytes would read as new on every look).
+    Relay {
+        client: &'a RelayClient,
+        watching: bool,
+    },
 }
 
 impl ClientSide<'_> {
@@ -440,7 +445,7 @@ impl ClientSide<'_> {
             ClientSide::Session { session, direct } => {
                 send_chunk(session, bytes, *direct, timeout).await
             }
-            ClientSide::Relay(client) => client.write_chunk(&bytes, timeout).await.is_ok(),
+            ClientSide::Relay { client, .. } => client.write_chunk(&bytes, timeout).await.is_ok(),
         }
     }
 
@@ -450,7 +455,14 @@ impl ClientSide<'_> {
             ClientSide::Session { session, .. } => {
                 let _ = session.as_downstream_mut().read_body_or_idle(true).await;
             }
-            ClientSide::Relay(client) => client.closed().await,
+            ClientSide::Relay { client, watching } => {
+                if *watching && !client.closed().await {
+                    *watching = false;
+                }
+                if !*watching {
+                    std::future::pending::<()>().await;
+                }
+            }
         }
     }
 }
@@ -1241,7 +1253,10 @@ impl Headroom {
                             &mut up,
                             &mut meter,
                             &mut guard,
-                            ClientSide::Relay(&client),
+                            ClientSide::Relay {
+                                client: &client,
+                                watching: true,
+                            },
                             limits,
                         )
                         .await;
@@ -1254,7 +1269,12 @@ impl Headroom {
                             (end, up, meter, guard) = back;
                             end
                         }
-                        Err(e) => std::panic::resume_unwind(e.into_panic()),
+                        Err(e) => match e.try_into_panic() {
+                            Ok(panic) => std::panic::resume_unwind(panic),
+                            // Cancelled by the runtime shutting down: the stream ends with it
+                            // (its meter went with the task; the record has no timing).
+                            Err(_) => return self.client_gone(session, &backend),
+                        },
                     }
                 }
                 handle => {
@@ -1266,15 +1286,17 @@ impl Headroom {
                 }
             }
         };
-        let rest = meter.finish(
-            std::time::Instant::now(),
-            matches!(pumped, Pumped::Complete),
-        );
+        // A cut is told to the client (an error event, the body's end) before the timing record
+        // closes, so the request's end counts that write.
+        let ended = match pumped {
+            Pumped::Complete => None,
+            Pumped::ClientGone => Some(self.client_gone(session, &backend)),
+            Pumped::Cut(cut) => Some(self.upstream_cut(session, &backend, is_sse, cut).await),
+        };
+        let rest = meter.finish(std::time::Instant::now(), ended.is_none());
         ctx.meter = Some(meter);
-        match pumped {
-            Pumped::Complete => {}
-            Pumped::ClientGone => return self.client_gone(session, &backend),
-            Pumped::Cut(cut) => return self.upstream_cut(session, &backend, is_sse, cut).await,
+        if let Some(ended) = ended {
+            return ended;
         }
         if rest.is_some() && session.write_response_body(rest, false).await.is_err() {
             return self.client_gone(session, &backend);

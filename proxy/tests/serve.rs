@@ -237,6 +237,68 @@ async fn client_disconnect_cancels_the_upstream_request() {
     r.shutdown().await.unwrap();
 }
 
+/// A second request sent on the connection while the first one's stream is still being relayed
+/// (pipelining, RFC 9112 §9.3.2) is neither taken for the client leaving nor lost: the stream
+/// ends whole, then the second request is answered on the same connection.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_request_pipelined_behind_a_stream_is_answered_after_it() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let r = sim(&["--inter-token-latency", "5"]).await;
+    let p = proxy(&[r.url()], "least_load", |_| {}).await;
+    let request = |stream: bool, max_tokens: u32| {
+        let body = json!({"model": MODEL, "prompt": "a pipelined pair", "max_tokens": max_tokens,
+                          "ignore_eos": true, "stream": stream})
+        .to_string();
+        format!(
+            "POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: application/json\r\n\
+             content-length: {}\r\n\r\n{body}",
+            body.len()
+        )
+    };
+    let mut conn = tokio::net::TcpStream::connect(p.addr).await.unwrap();
+    conn.write_all(request(true, 40).as_bytes()).await.unwrap();
+    // The stream has begun before the next request arrives.
+    let mut got = Vec::new();
+    let mut buf = [0u8; 4096];
+    while !String::from_utf8_lossy(&got).contains("data: ") {
+        let n = conn.read(&mut buf).await.unwrap();
+        assert!(
+            n > 0,
+            "the proxy closed the connection: {}",
+            String::from_utf8_lossy(&got)
+        );
+        got.extend_from_slice(&buf[..n]);
+    }
+    conn.write_all(request(false, 2).as_bytes()).await.unwrap();
+    let whole = tokio::time::timeout(Duration::from_secs(20), async {
+        loop {
+            let text = String::from_utf8_lossy(&got).into_owned();
+            if text.matches("HTTP/1.1 200").count() == 2 && text.contains("\"completion_tokens\":2")
+            {
+                return text;
+            }
+            let n = conn.read(&mut buf).await.unwrap();
+            assert!(n > 0, "the proxy closed the connection: {text}");
+            got.extend_from_slice(&buf[..n]);
+        }
+    })
+    .await
+    .expect("both answers");
+    let (first, second) = whole.split_at(whole.rfind("HTTP/1.1 200").unwrap());
+    assert!(
+        first.contains("data: [DONE]"),
+        "the stream ended whole: {first}"
+    );
+    assert_eq!(
+        first.matches("\"text\":").count(),
+        40,
+        "every token of the stream: {first}"
+    );
+    assert!(second.contains("\"completion_tokens\":2"), "{second}");
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_or_failing_replica_is_avoided() {
     let live = sim(&[]).await;
