@@ -612,11 +612,6 @@ lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]
 if every:
     # The short requests (what a long prompt passing through does to everyone else) and the long
     # ones (what the proxy's reading and hashing of it costs itself), TTFT from each request's row.
-    def pct(xs, p):
-        xs = sorted(xs)
-        k = (len(xs) - 1) * p
-        f = int(k)
-        return xs[f] + (xs[min(f + 1, len(xs) - 1)] - xs[f]) * (k - f) if xs else float("nan")
     def split(config):
         per_round = []
         for r in range(1, rounds + 1):
