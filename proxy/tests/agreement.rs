@@ -39,7 +39,7 @@ async fn the_proxy_and_the_client_agree_on_every_request() {
         Arc::new(Counters::default()),
     )
     .await;
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     let captured = read_capture(&path);
     assert_eq!(captured.len(), 60);
     let by_id: std::collections::HashMap<&str, &TraceRecord> = captured

@@ -128,7 +128,7 @@ async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
     )
     .await;
     assert!(results.iter().all(|x| x.timing.ok()));
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     p.shutdown().await;
     let captured = read_capture(&first);
     assert_eq!(captured.len(), original.len());
@@ -173,7 +173,7 @@ async fn a_captured_trace_replays_with_the_structure_that_produced_it() {
     )
     .await;
     assert!(again.iter().all(|x| x.timing.ok()));
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     p.shutdown().await;
     let recaptured = read_capture(&second);
     assert_eq!(lengths(&recaptured), lengths(&original));
@@ -215,7 +215,7 @@ async fn prompt_text_never_reaches_a_capture() {
             .unwrap();
         resp.bytes().await.unwrap();
     }
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     let text = std::fs::read_to_string(&path).unwrap();
     assert_eq!(
         text.lines().count(),
@@ -247,7 +247,7 @@ async fn an_error_answer_takes_no_ttft() {
         }
         req.send().await.unwrap().bytes().await.unwrap();
     }
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     let records = common::read_capture(&path);
     assert_eq!(records.len(), 3);
     for rec in &records {
@@ -306,7 +306,7 @@ async fn the_capture_sets_what_routing_expected_cached_beside_what_the_engine_fo
         .await
         .unwrap();
     assert!(!streamed.contains("usage"), "{streamed}");
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     let records = read_capture(&path);
     let by_id = |id: &str| {
         records

@@ -155,7 +155,7 @@ async fn copies_are_measured_and_agree_on_an_equal_candidate() {
         shadow_ttft > primary_ttft,
         "{shadow_ttft} vs {primary_ttft}"
     );
-    assert!(p.flush_capture().await);
+    assert!(common::flush_finished(&p).await);
     let records = read_capture(&capture);
     let shadows: Vec<_> = records.iter().filter(|r| r.shadow.is_some()).collect();
     assert_eq!((records.len(), shadows.len()), (32, 16));

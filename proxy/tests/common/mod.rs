@@ -98,6 +98,16 @@ pub async fn proxy(urls: &[String], capture: Option<&std::path::Path>) -> ServeH
         .unwrap()
 }
 
+/// Waits until the proxy has finished every request it took (a client has the whole answer
+/// before the proxy records it), then until the capture writer has written every record; false
+/// when the writer could not.
+pub async fn flush_finished(p: &ServeHandle) -> bool {
+    tokio::time::timeout(Duration::from_secs(10), p.lifecycle.all_closed())
+        .await
+        .expect("the proxy's requests finish");
+    p.flush_capture().await
+}
+
 /// The records of a capture file.
 pub fn read_capture(path: &std::path::Path) -> Vec<TraceRecord> {
     let f = std::fs::File::open(path).unwrap();
