@@ -393,15 +393,19 @@ for r in range(1, rounds + 1):
 if gaps:
     lines += ["", "|client TTFT - headroom's own TTFT (from its capture)| per request, each round:", ""]
     lines += [f"- round {i}: {g.split(': ', 1)[-1]}" for i, g in enumerate(gaps, 1)]
+def per_round(name):
+    """{proxy: [(round, the JSON its round wrote as `name`)]}, of the rounds that wrote one."""
+    found = {}
+    for c in ("headroom", "nginx"):
+        for r in range(1, rounds + 1):
+            try:
+                data = json.load(open(f"{out}/{c}-{r}/{name}"))
+            except (OSError, ValueError):
+                continue
+            found.setdefault(c, []).append((r, data))
+    return found
 # WIRE=1: what each proxy itself held each request and each event, from its rounds' packet captures.
-wire = {}
-for c in ("headroom", "nginx"):
-    for r in range(1, rounds + 1):
-        try:
-            row = json.load(open(f"{out}/{c}-{r}/wire.json"))
-        except (OSError, ValueError):
-            continue
-        wire.setdefault(c, []).append(row)
+wire = {c: [w for _, w in rows] for c, rows in per_round("wire.json").items()}
 if wire:
     def at(rows, k, p):
         values = [w[k][p] for w in rows if w[k]["n"]]
@@ -483,14 +487,7 @@ if shares["direct"] and (shares["headroom"] or shares["nginx"]):
         lines.append(f"| {c} | {sum(map(len, shares[c]))} | {share_at(c, 0.5):.2f} / {share_at(c, 0.99):.2f} | {added} | "
                      + "; ".join(f"{pct(x, 0.5):.2f} / {pct(x, 0.99):.2f}" for x in shares[c]) + " |")
 # SCHED=1: how long each proxy's threads sat runnable but not running on their core, and what ran.
-sched = {}
-for c in ("headroom", "nginx"):
-    for r in range(1, rounds + 1):
-        try:
-            traced = json.load(open(f"{out}/{c}-{r}/sched.json"))
-        except (OSError, ValueError):
-            continue
-        sched.setdefault(c, []).append((r, traced))
+sched = per_round("sched.json")
 if sched:
     lines += ["", "The scheduler on the proxies' core (SCHED=1, perf sched; scripts/sched_preemptions.py): how long the",
               "proxy's busiest thread (its worker) was runnable but not running (preempted, or woken and not yet on",

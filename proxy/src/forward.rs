@@ -536,6 +536,34 @@ async fn pump(
     }
 }
 
+/// [`pump`] as a task of its own, writing to the relay's own handle on the client; what it moved
+/// comes back with how it ended. The request's task waits for it; dropped (that task cancelled),
+/// the handle stops the relay too. `None` when the runtime cancelled the task (shutting down); a
+/// panic in it is raised again here.
+async fn pump_in_own_task(
+    mut up: Upstream,
+    mut meter: ResponseMeter,
+    mut guard: InFlight,
+    client: RelayClient,
+    limits: PumpLimits,
+) -> Option<(Pumped, Upstream, ResponseMeter, InFlight)> {
+    let task = tokio::task::spawn(async move {
+        let side = ClientSide::Relay {
+            client: &client,
+            watching: true,
+        };
+        let end = pump(&mut up, &mut meter, &mut guard, side, limits).await;
+        (end, up, meter, guard)
+    });
+    match tokio_util::task::AbortOnDropHandle::new(task).await {
+        Ok(back) => Some(back),
+        Err(e) => match e.try_into_panic() {
+            Ok(panic) => std::panic::resume_unwind(panic),
+            Err(_) => None,
+        },
+    }
+}
+
 /// Passes one chunk on to the client: a chunked body's straight to a plaintext client's socket
 /// (`direct`), anything else through pingora. False when the client is gone or took nothing.
 async fn send_chunk(session: &mut Session, bytes: Bytes, direct: bool, timeout: Duration) -> bool {
@@ -1248,34 +1276,15 @@ impl Headroom {
             };
             match detached {
                 Some(Ok(client)) => {
-                    let task = tokio::task::spawn(async move {
-                        let end = pump(
-                            &mut up,
-                            &mut meter,
-                            &mut guard,
-                            ClientSide::Relay {
-                                client: &client,
-                                watching: true,
-                            },
-                            limits,
-                        )
-                        .await;
-                        (end, up, meter, guard)
-                    });
-                    // Dropped (the request's task cancelled), the handle stops the relay too.
-                    match tokio_util::task::AbortOnDropHandle::new(task).await {
-                        Ok(back) => {
-                            let end;
-                            (end, up, meter, guard) = back;
-                            end
-                        }
-                        Err(e) => match e.try_into_panic() {
-                            Ok(panic) => std::panic::resume_unwind(panic),
-                            // Cancelled by the runtime shutting down: the stream ends with it
-                            // (its meter went with the task; the record has no timing).
-                            Err(_) => return self.client_gone(session, &backend),
-                        },
-                    }
+                    let Some(back) = pump_in_own_task(up, meter, guard, client, limits).await
+                    else {
+                        // Cancelled by the runtime shutting down: the stream ends with it (its
+                        // meter went with the task; the record has no timing).
+                        return self.client_gone(session, &backend);
+                    };
+                    let end;
+                    (end, up, meter, guard) = back;
+                    end
                 }
                 handle => {
                     if let Some(Err(e)) = handle {
