@@ -429,42 +429,49 @@ enum ClientSide<'a> {
         session: &'a mut Session,
         direct: bool,
     },
-    /// Through the relay's own handle on a plaintext client, from a task of its own; `watching`
-    /// turns false once the client's next request has begun to arrive (it is not leaving, and
-    /// its bytes would read as new on every look).
-    Relay {
-        client: &'a RelayClient,
-        watching: bool,
-    },
+    /// Through the relay's own handle on a plaintext client, from a task of its own.
+    Relay { client: &'a RelayClient },
 }
 
-impl ClientSide<'_> {
+impl<'a> ClientSide<'a> {
     /// Passes one chunk on; false when the client is gone or took nothing in time.
     async fn send(&mut self, bytes: Bytes, timeout: Duration) -> bool {
         match self {
             ClientSide::Session { session, direct } => {
                 send_chunk(session, bytes, *direct, timeout).await
             }
-            ClientSide::Relay { client, .. } => client.write_chunk(&bytes, timeout).await.is_ok(),
+            ClientSide::Relay { client } => client.write_chunk(&bytes, timeout).await.is_ok(),
         }
     }
 
-    /// Returns when the client has gone.
-    async fn gone(&mut self) {
+    /// The relay's own handle on the client, when the pump writes through one.
+    fn relay(&self) -> Option<&'a RelayClient> {
+        match self {
+            ClientSide::Relay { client } => Some(client),
+            ClientSide::Session { .. } => None,
+        }
+    }
+
+    /// Returns when the client of the request's own session has gone; never for a relay's.
+    async fn session_gone(&mut self) {
         match self {
             ClientSide::Session { session, .. } => {
                 let _ = session.as_downstream_mut().read_body_or_idle(true).await;
             }
-            ClientSide::Relay { client, watching } => {
-                if *watching && !client.closed().await {
-                    *watching = false;
-                }
-                if !*watching {
-                    std::future::pending::<()>().await;
-                }
-            }
+            ClientSide::Relay { .. } => std::future::pending::<()>().await,
         }
     }
+}
+
+/// Returns when a relay's client has gone; never once the client's next request has begun to
+/// arrive (it is not leaving, and its bytes would read as new at every look), nor without a relay.
+async fn relay_client_gone(client: Option<&RelayClient>) {
+    if let Some(client) = client {
+        if client.closed().await {
+            return;
+        }
+    }
+    std::future::pending::<()>().await
 }
 
 /// Moves the body from the replica to the client through the meter until the replica ends it,
@@ -484,6 +491,11 @@ async fn pump(
     let mut last_chunk = tokio::time::Instant::now();
     let silence = tokio::time::sleep_until(last_chunk + wait);
     tokio::pin!(silence);
+    // A relay's watch on its client lasts as long as the relay: made afresh for each chunk it
+    // would add a waiter to the socket's list and take it off again every time. A session's
+    // watch needs the session itself, which each chunk's write takes, so it is made anew.
+    let relay_gone = relay_client_gone(client.relay());
+    tokio::pin!(relay_gone);
     loop {
         tokio::select! {
             // The replica first: an end of stream that is already there wins over a client that
@@ -531,10 +543,14 @@ async fn pump(
                 }
                 silence.as_mut().reset(deadline);
             }
-            () = client.gone() => return Pumped::ClientGone,
+            () = &mut relay_gone => return Pumped::ClientGone,
+            () = client.session_gone() => return Pumped::ClientGone,
         }
     }
 }
+
+/// What a relay's task hands back: how the pump ended and what it moved.
+type PumpedBack = (Pumped, Upstream, ResponseMeter, InFlight);
 
 /// [`pump`] as a task of its own, writing to the relay's own handle on the client; what it moved
 /// comes back with how it ended. The request's task waits for it; dropped (that task cancelled),
@@ -546,17 +562,17 @@ async fn pump_in_own_task(
     mut guard: InFlight,
     client: RelayClient,
     limits: PumpLimits,
-) -> Option<(Pumped, Upstream, ResponseMeter, InFlight)> {
+) -> Option<PumpedBack> {
     let task = tokio::task::spawn(async move {
-        let side = ClientSide::Relay {
-            client: &client,
-            watching: true,
-        };
+        let side = ClientSide::Relay { client: &client };
         let end = pump(&mut up, &mut meter, &mut guard, side, limits).await;
-        (end, up, meter, guard)
+        // Boxed: the runtime moves a task's `Poll<output>` through its frames on every poll,
+        // pending or not, so an output the size of the meter and the body would be copied
+        // once per chunk.
+        Box::new((end, up, meter, guard))
     });
     match tokio_util::task::AbortOnDropHandle::new(task).await {
-        Ok(back) => Some(back),
+        Ok(back) => Some(*back),
         Err(e) => match e.try_into_panic() {
             Ok(panic) => std::panic::resume_unwind(panic),
             Err(_) => None,
