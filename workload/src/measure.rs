@@ -294,11 +294,19 @@ impl EventReader {
 
     /// What [`read_event`] says of `data`.
     pub fn read(&mut self, data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
+        self.read_bytes(data.as_bytes(), digest)
+    }
+
+    /// What [`read_event`] says of `data` as the stream carried it, bytes that are not UTF-8
+    /// read as U+FFFD. An event of the last shape is read without checking the rest of it as
+    /// text: its bytes outside the text are the shape's own, and its text holds no quote,
+    /// backslash or control byte.
+    pub fn read_bytes(&mut self, data: &[u8], mut digest: Option<&mut OutputDigest>) -> EventInfo {
         if let Some(shape) = &self.shape {
             if let Some(text) = shape.text_of(data) {
-                if let Some(digest) = digest {
+                if let Some(digest) = digest.as_deref_mut() {
                     if !text.is_empty() {
-                        digest.event(text);
+                        digest.event(&String::from_utf8_lossy(text));
                     }
                 }
                 let mut info = shape.info.clone();
@@ -306,7 +314,8 @@ impl EventReader {
                 return info;
             }
         }
-        let (info, cut) = parse_event(data, digest);
+        let data = String::from_utf8_lossy(data);
+        let (info, cut) = parse_event(&data, digest);
         // An event of another shape (an escaped text, say) keeps the last shape known: the events
         // after it are likely that shape again.
         if let Some(cut) = cut {
@@ -318,7 +327,7 @@ impl EventReader {
                 info: EventInfo::default(),
             });
             shape.event.clear();
-            shape.event.push_str(data);
+            shape.event.push_str(&data);
             shape.cut = cut;
             shape.info.clone_from(&info);
         }
@@ -393,11 +402,12 @@ impl TextCut {
 
 impl Shape {
     /// The text of an event of this shape, unescaped as it stands.
-    fn text_of<'d>(&self, data: &'d str) -> Option<&'d str> {
+    fn text_of<'d>(&self, data: &'d [u8]) -> Option<&'d [u8]> {
+        let shape = self.event.as_bytes();
         let text = data
-            .strip_prefix(&self.event[..self.cut.start])?
-            .strip_suffix(&self.event[self.cut.end..])?;
-        let plain = !text.bytes().any(|b| b == b'"' || b == b'\\' || b < 0x20);
+            .strip_prefix(&shape[..self.cut.start])?
+            .strip_suffix(&shape[self.cut.end..])?;
+        let plain = !text.iter().any(|&b| b == b'"' || b == b'\\' || b < 0x20);
         plain.then_some(text)
     }
 }
@@ -660,7 +670,7 @@ impl ResponseMeter {
         }
         let mut last_kept = self.last_kept;
         parser.feed_with_ends(&chunk, |end, ev| {
-            let keep = ev.is_none_or(|e| !(self.on_event(&e.data).usage_only && self.strip_usage));
+            let keep = ev.is_none_or(|e| !(self.on_event(e.data).usage_only && self.strip_usage));
             last_kept = keep;
             if start == 0 && !held.is_empty() {
                 let h = std::mem::take(&mut held);
@@ -702,8 +712,8 @@ impl ResponseMeter {
         }
     }
 
-    fn on_event(&mut self, data: &str) -> EventInfo {
-        let info = self.events.read(data, self.digest.as_mut());
+    fn on_event(&mut self, data: &[u8]) -> EventInfo {
+        let info = self.events.read_bytes(data, self.digest.as_mut());
         if info.output {
             self.output_events += 1;
             self.undelivered += 1;
@@ -957,6 +967,52 @@ mod tests {
                         check_reader(&[shape], data);
                     }
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_read_as_their_replacement_text() {
+        // The reader on the stream's bytes answers as a whole read of their text (each invalid
+        // sequence read as U+FFFD), whether the bytes fall in a known shape's text or outside it.
+        let check = |before: &str, raw: &[u8]| {
+            let mut reader = EventReader::new();
+            reader.read(before, Some(&mut OutputDigest::new()));
+            let text = String::from_utf8_lossy(raw);
+            let (mut fast, mut whole) = (OutputDigest::new(), OutputDigest::new());
+            assert_eq!(
+                reader.read_bytes(raw, Some(&mut fast)),
+                read_event(&text, Some(&mut whole)),
+                "{text:?} after {before:?}"
+            );
+            assert_eq!(fast.finish(), whole.finish(), "{text:?} after {before:?}");
+            assert_eq!(reader.read_bytes(raw, None), classify_event(&text));
+        };
+        let invalid: [&[u8]; 5] = [
+            b"\xE2\x82",
+            b"a\xFFb",
+            b"\xC3",
+            b"\xF0\x9F\x98",
+            b"\xED\xA0\x80",
+        ];
+        for shape in SHAPES {
+            for field in ["\"text\":\"", "\"content\":\""] {
+                let Some(at) = shape.find(field).map(|i| i + field.len()) else {
+                    continue;
+                };
+                let end = at + shape[at..].find('"').unwrap();
+                for bad in invalid {
+                    let mut raw = shape.as_bytes()[..at].to_vec();
+                    raw.extend_from_slice(bad);
+                    raw.extend_from_slice(&shape.as_bytes()[end..]);
+                    check(shape, &raw);
+                }
+            }
+            // Outside the text: a byte of the shape itself.
+            for i in 0..shape.len() {
+                let mut raw = shape.as_bytes().to_vec();
+                raw[i] = 0xFF;
+                check(shape, &raw);
             }
         }
     }

@@ -6,8 +6,6 @@
 //! dispatches the event, several `data:` lines join with `\n`, one space after the colon is dropped,
 //! `:` lines are comments, and an event with no data is not dispatched.
 
-use std::borrow::Cow;
-
 /// Bytes of event (and line) buffer a parser keeps between events; a longer one's is let go.
 const KEPT_EVENT_CAPACITY: usize = 16 * 1024;
 
@@ -46,6 +44,27 @@ impl SseEvent {
     pub fn is_done(&self) -> bool {
         self.data == DONE
     }
+
+    /// The event as text: bytes that are not UTF-8 read as U+FFFD, as a browser's `EventSource`
+    /// reads them.
+    fn set_from(&mut self, raw: &RawEvent<'_>) {
+        self.data.clear();
+        self.data.push_str(&String::from_utf8_lossy(raw.data));
+        self.event = raw.event.map(|e| String::from_utf8_lossy(e).into_owned());
+        self.id = raw.id.map(|i| String::from_utf8_lossy(i).into_owned());
+    }
+}
+
+/// One dispatched event as the stream carried it, lent by the parser: its data not yet read as
+/// text (an event that came whole in one chunk is that chunk's own bytes, not a copy).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct RawEvent<'a> {
+    /// The `data:` lines joined with `\n`.
+    pub data: &'a [u8],
+    /// The `event:` field, when one was given.
+    pub event: Option<&'a [u8]>,
+    /// The `id:` field, when one was given.
+    pub id: Option<&'a [u8]>,
 }
 
 /// Incremental SSE parser. Feed it bytes as they arrive; it returns the events they complete.
@@ -54,8 +73,16 @@ pub struct SseParser {
     line: Vec<u8>,
     /// The previous chunk ended in `\r`: a `\n` at the start of the next one belongs to it.
     after_cr: bool,
-    pending: SseEvent,
+    /// The data of the event being read, once it is not (or no longer) a slice of one chunk.
+    data: Vec<u8>,
+    /// The data of the event being read is `chunk[start..end]` of the chunk being fed (its one
+    /// data line so far came whole in it): nothing copied unless the event goes on.
+    borrowed: Option<(usize, usize)>,
+    event: Option<Vec<u8>>,
+    id: Option<Vec<u8>>,
     has_data: bool,
+    /// The text form [`Self::feed`] lends, its buffers reused from event to event.
+    text: SseEvent,
 }
 
 impl SseParser {
@@ -64,53 +91,57 @@ impl SseParser {
         Self::default()
     }
 
-    /// Parses `chunk`, calling `on_event` for each event it completes. The event is lent: the
-    /// parser reuses its buffers for the next one (clone it to keep it).
+    /// Parses `chunk`, calling `on_event` for each event it completes, read as text. The event
+    /// is lent: the parser reuses its buffers for the next one (clone it to keep it).
     pub fn feed(&mut self, chunk: &[u8], mut on_event: impl FnMut(&SseEvent)) {
+        let mut text = std::mem::take(&mut self.text);
         self.feed_with_ends(chunk, |_, ev| {
             if let Some(ev) = ev {
-                on_event(ev);
+                text.set_from(&ev);
+                on_event(&text);
             }
         });
+        if text.data.capacity() > KEPT_EVENT_CAPACITY {
+            text.data = String::new();
+        }
+        self.text = text;
     }
 
     /// Parses `chunk`, calling `on_end(offset, event)` at every blank line, the end of an event
     /// in the byte stream: `offset` is where the next event starts in `chunk`, and `event` is the
-    /// one dispatched there (`None` for a blank line after comments or nothing).
+    /// one dispatched there (`None` for a blank line after comments or nothing), as bytes.
     pub fn feed_with_ends(
         &mut self,
         chunk: &[u8],
-        mut on_end: impl FnMut(usize, Option<&SseEvent>),
+        mut on_end: impl FnMut(usize, Option<RawEvent<'_>>),
     ) {
-        let mut rest = chunk;
         // An empty chunk says nothing about what follows a `\r` that ended the last one.
         if chunk.is_empty() {
             return;
         }
+        let mut at = 0;
         if self.after_cr {
             self.after_cr = false;
-            if let [b'\n', tail @ ..] = rest {
-                rest = tail;
+            if chunk[0] == b'\n' {
+                at = 1;
             }
         }
-        while let Some(i) = memchr::memchr2(b'\n', b'\r', rest) {
-            let line_end = rest[i];
-            let piece = &rest[..i];
-            rest = &rest[i + 1..];
-            if line_end == b'\r' {
-                match rest.first() {
-                    Some(b'\n') => rest = &rest[1..],
+        while let Some(i) = memchr::memchr2(b'\n', b'\r', &chunk[at..]) {
+            let (piece_start, piece_end) = (at, at + i);
+            at = piece_end + 1;
+            if chunk[piece_end] == b'\r' {
+                match chunk.get(at) {
+                    Some(b'\n') => at += 1,
                     None => self.after_cr = true,
                     _ => {}
                 }
             }
-            let offset = chunk.len() - rest.len();
             let end = if self.line.is_empty() {
-                self.process_line(piece)
+                self.process_line(chunk, piece_start, piece_end, true)
             } else {
-                self.line.extend_from_slice(piece);
+                self.line.extend_from_slice(&chunk[piece_start..piece_end]);
                 let line = std::mem::take(&mut self.line);
-                let end = self.process_line(&line);
+                let end = self.process_line(&line, 0, line.len(), false);
                 // The line buffer is kept for the next split line, unless a long one grew it.
                 if line.capacity() <= KEPT_EVENT_CAPACITY {
                     self.line = line;
@@ -120,14 +151,25 @@ impl SseParser {
             };
             match end {
                 LineEnd::Field => {}
-                LineEnd::Blank => on_end(offset, None),
+                LineEnd::Blank => on_end(at, None),
                 LineEnd::Dispatch => {
-                    on_end(offset, Some(&self.pending));
+                    let data = match self.borrowed {
+                        Some((s, e)) => &chunk[s..e],
+                        None => &self.data[..],
+                    };
+                    let event = RawEvent {
+                        data,
+                        event: self.event.as_deref(),
+                        id: self.id.as_deref(),
+                    };
+                    on_end(at, Some(event));
                     self.clear_pending();
                 }
             }
         }
-        self.line.extend_from_slice(rest);
+        // An event that goes on past this chunk keeps its data line.
+        self.own_data(chunk);
+        self.line.extend_from_slice(&chunk[at..]);
     }
 
     /// Convenience for tests and tools: parse `chunk` and collect its events.
@@ -145,23 +187,33 @@ impl SseParser {
 
     /// Bytes held while waiting for a line end (bounded by the longest line, not the stream).
     pub fn buffered(&self) -> usize {
-        self.line.len() + self.pending.data.len()
+        self.line.len() + self.data.len()
+    }
+
+    /// Copies the event's data out of the chunk it lies in, when it is still a slice of it.
+    fn own_data(&mut self, chunk: &[u8]) {
+        if let Some((s, e)) = self.borrowed.take() {
+            self.data.extend_from_slice(&chunk[s..e]);
+        }
     }
 
     /// Forgets the event being read, keeping its buffer unless one unusually long event grew it
     /// (a stream should not hold that for the rest of its life).
     fn clear_pending(&mut self) {
-        if self.pending.data.capacity() > KEPT_EVENT_CAPACITY {
-            self.pending.data = String::new();
+        if self.data.capacity() > KEPT_EVENT_CAPACITY {
+            self.data = Vec::new();
         }
-        self.pending.data.clear();
-        self.pending.event = None;
-        self.pending.id = None;
+        self.data.clear();
+        self.borrowed = None;
+        self.event = None;
+        self.id = None;
         self.has_data = false;
     }
 
-    /// Processes one line.
-    fn process_line(&mut self, line: &[u8]) -> LineEnd {
+    /// Processes the line `src[start..end]`: `src` is the chunk being fed when the line lies
+    /// whole in it (`in_chunk`), else the line buffer.
+    fn process_line(&mut self, src: &[u8], start: usize, end: usize, in_chunk: bool) -> LineEnd {
+        let line = &src[start..end];
         if line.is_empty() {
             if self.has_data {
                 return LineEnd::Dispatch;
@@ -172,28 +224,29 @@ impl SseParser {
         if line[0] == b':' {
             return LineEnd::Field;
         }
-        let (field, value) = match memchr::memchr(b':', line) {
-            Some(i) => {
-                let v = &line[i + 1..];
-                (&line[..i], v.strip_prefix(b" ").unwrap_or(v))
-            }
-            None => (line, &b""[..]),
-        };
-        // Valid UTF-8 (every JSON payload) is checked by the fast path and borrowed.
-        let value = match std::str::from_utf8(value) {
-            Ok(v) => Cow::Borrowed(v),
-            Err(_) => String::from_utf8_lossy(value),
+        let (field, value_start) = match memchr::memchr(b':', line) {
+            Some(i) if line.get(i + 1) == Some(&b' ') => (&line[..i], start + i + 2),
+            Some(i) => (&line[..i], start + i + 1),
+            None => (line, end),
         };
         match field {
             b"data" => {
                 if self.has_data {
-                    self.pending.data.push('\n');
+                    // Data lent from the chunk is only ever set in this call, after the line
+                    // buffer's one line (the first of a call): `src` is then the chunk.
+                    debug_assert!(in_chunk || self.borrowed.is_none());
+                    self.own_data(src);
+                    self.data.push(b'\n');
+                    self.data.extend_from_slice(&src[value_start..end]);
+                } else if in_chunk {
+                    self.borrowed = Some((value_start, end));
+                } else {
+                    self.data.extend_from_slice(&src[value_start..end]);
                 }
-                self.pending.data.push_str(&value);
                 self.has_data = true;
             }
-            b"event" => self.pending.event = Some(value.into_owned()),
-            b"id" => self.pending.id = Some(value.into_owned()),
+            b"event" => self.event = Some(src[value_start..end].to_vec()),
+            b"id" => self.id = Some(src[value_start..end].to_vec()),
             _ => {}
         }
         LineEnd::Field
@@ -223,6 +276,18 @@ mod tests {
         events.iter().map(|e| e.data.as_str()).collect()
     }
 
+    /// `stream` cut in three anywhere gives the events `whole`: empty chunks included (i == j),
+    /// as after a `\r` that ended the chunk before (found by the `sse` fuzz target: an empty
+    /// chunk used to forget that `\r`).
+    fn same_at_every_split(stream: &[u8], whole: &[SseEvent]) {
+        for i in 0..=stream.len() {
+            for j in i..=stream.len() {
+                let parts = [&stream[..i], &stream[i..j], &stream[j..]];
+                assert_eq!(parse_all(&parts), whole, "split at {i},{j}");
+            }
+        }
+    }
+
     #[test]
     fn writer_output_parses_back() {
         let mut out = Vec::new();
@@ -250,14 +315,40 @@ mod tests {
             (whole[3].event.as_deref(), whole[3].id.as_deref()),
             (None, None)
         );
-        // Empty chunks included (i == j), as after a `\r` that ended the chunk before (found by
-        // the `sse` fuzz target: an empty chunk used to forget that `\r`).
-        for i in 0..=stream.len() {
-            for j in i..=stream.len() {
-                let parts = [&stream[..i], &stream[i..j], &stream[j..]];
-                assert_eq!(parse_all(&parts), whole, "split at {i},{j}");
-            }
-        }
+        same_at_every_split(stream, &whole);
+    }
+
+    #[test]
+    fn bytes_that_are_not_utf8_read_as_replacement_characters_wherever_cut() {
+        // Each line's invalid sequence is one U+FFFD, as if every line were read as text alone.
+        let stream = b"event: e\xFF\ndata: a\xE2\x82\ndata: \xAC b\n\ndata: \xC3\n\n";
+        let whole = parse_all(&[stream]);
+        assert_eq!(data(&whole), vec!["a\u{FFFD}\n\u{FFFD} b", "\u{FFFD}"]);
+        assert_eq!(whole[0].event.as_deref(), Some("e\u{FFFD}"));
+        same_at_every_split(stream, &whole);
+    }
+
+    #[test]
+    fn an_event_whole_in_its_chunk_is_lent_from_it() {
+        let mut p = SseParser::new();
+        let chunk = b"data: {\"a\":1}\n\ndata: two\ndata: lines\n\ndata: open";
+        let mut seen = Vec::new();
+        p.feed_with_ends(chunk, |end, ev| {
+            let ev = ev.expect("data events only");
+            let lent = chunk.as_ptr_range().contains(&ev.data.as_ptr());
+            seen.push((end, ev.data.to_vec(), lent));
+        });
+        assert_eq!(
+            seen,
+            vec![
+                (15, b"{\"a\":1}".to_vec(), true),
+                (38, b"two\nlines".to_vec(), false),
+            ]
+        );
+        // The open event's line waits in the line buffer; its end dispatches it.
+        assert_eq!(p.buffered(), 10);
+        assert_eq!(data(&p.feed_collect(b"\n\n")), vec!["open"]);
+        assert_eq!(p.buffered(), 0);
     }
 
     #[test]
@@ -278,7 +369,8 @@ mod tests {
         let mut p = SseParser::new();
         let long = format!("data: {}\n\n", "x".repeat(100_000));
         assert_eq!(p.feed_collect(long.as_bytes())[0].data.len(), 100_000);
-        assert!(p.pending.data.capacity() <= KEPT_EVENT_CAPACITY);
+        assert!(p.data.capacity() <= KEPT_EVENT_CAPACITY);
+        assert!(p.text.data.capacity() <= KEPT_EVENT_CAPACITY);
         // The same event split across chunks goes through the line buffer.
         let (head, tail) = long.as_bytes().split_at(50_000);
         assert!(p.feed_collect(head).is_empty());
