@@ -309,7 +309,7 @@ async fn send_and_read_head(
         },
         // A body that ends with the connection leaves none to reuse.
         keep_alive: head.keep_alive && framing != State::UntilClose,
-        ended: None,
+        last_read: Instant::now(),
     };
     Ok((head.header, body))
 }
@@ -471,10 +471,8 @@ pub struct Body {
     addr: SocketAddr,
     dec: Decoder,
     keep_alive: bool,
-    /// When the body was first seen whole (the replica's last byte of it had just arrived): the
-    /// replica's idle clock for the connection runs from about then. One clock read per body,
-    /// not one per read.
-    ended: Option<Instant>,
+    /// When the replica's last byte so far arrived: its own idle clock runs from about then.
+    last_read: Instant,
 }
 
 impl Body {
@@ -482,17 +480,14 @@ impl Body {
     /// An error is a cut: the connection failed, or ended or broke its framing before the end.
     pub async fn next(&mut self) -> io::Result<Option<Bytes>> {
         loop {
-            let step = self.dec.decode()?;
-            if self.dec.state == State::Done {
-                self.ended.get_or_insert_with(Instant::now);
-            }
-            match step {
+            match self.dec.decode()? {
                 Step::Data(bytes) => return Ok(Some(bytes)),
                 Step::End => return Ok(None),
                 Step::More => {}
             }
             let room = self.dec.room;
             let n = read_more(&mut self.tcp, &mut self.dec.buf, room).await?;
+            self.last_read = Instant::now();
             if n >= room {
                 self.dec.room = (room * 2).min(MAX_READ_ROOM);
             }
@@ -520,8 +515,7 @@ impl Body {
     /// (a client slow to take the end of a response would otherwise stretch it).
     pub fn release(self, pool: &Pool, idle_for: Duration) {
         if self.keep_alive && self.dec.state == State::Done && self.dec.buf.is_empty() {
-            let ended = self.ended.unwrap_or_else(Instant::now);
-            pool.put(self.addr, self.tcp, ended + idle_for);
+            pool.put(self.addr, self.tcp, self.last_read + idle_for);
         }
     }
 }
