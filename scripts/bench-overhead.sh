@@ -7,6 +7,8 @@
 # relayed chunk (from /proc, all of its processes and threads). Loopback only; bounded by DURATION.
 #
 #   scripts/bench-overhead.sh                    # RATE=200 TOKENS=100 DURATION=30 ROUNDS=2 CAPTURE=1
+#                                                # WARMUP=5 (s of unmeasured load through each path
+#                                                # before the first round; 0: none)
 #   MODEL=constant scripts/bench-overhead.sh     # the replica's timing model (default fixed: every
 #                                                # request's first token TTFT_MS after its arrival,
 #                                                # then one per ITL_MS, no shared steps, so what a
@@ -47,6 +49,8 @@
 #                                                # builds: the replica and the load stay this one's).
 #   Build B, copy it aside, then run: this script builds target/release/headroom itself, e.g.
 #   cargo build --release --no-default-features && cp target/release/headroom /tmp/headroom-b
+#   SERVE_PROFILE=release-lto scripts/bench-overhead.sh  # the proxy built with the release-lto
+#                                                # profile (fat LTO, one codegen unit)
 #
 # With PIN=1 the system under test is the proxy (one worker per pinned core; nginx alike), and the
 # replica runs beside the load generator: what a proxy adds is then its own work and hop, not
@@ -62,6 +66,7 @@ RATE=${RATE:-200}
 TOKENS=${TOKENS:-100}
 DURATION=${DURATION:-30}
 ROUNDS=${ROUNDS:-2}
+WARMUP=${WARMUP:-5}
 ITL_MS=${ITL_MS:-10}
 TTFT_MS=${TTFT_MS:-20}
 MODEL=${MODEL:-fixed}
@@ -91,7 +96,16 @@ if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
   echo "SERVE_BIN is target/release/headroom, which this script has just rebuilt: copy build B aside first" >&2
   exit 1
 fi
-SERVE_BIN=${SERVE_BIN:-$bin}
+# The proxy under test as `cargo build --release` makes it; SERVE_PROFILE=release-lto measures the
+# whole program optimised as one unit (its first build takes ~9 min on 2 cores, then it is reused).
+SERVE_PROFILE=${SERVE_PROFILE:-release}
+if [ -z "${SERVE_BIN:-}" ]; then
+  if [ "$SERVE_PROFILE" != release ]; then
+    echo "building the proxy under test (cargo build --profile $SERVE_PROFILE)" >&2
+    cargo build --profile "$SERVE_PROFILE" --locked -q --bin headroom
+  fi
+  SERVE_BIN=$(realpath "target/$SERVE_PROFILE/headroom")
+fi
 
 source scripts/bench-common.sh
 # WIRE=1's packet capture reads on the load cores (pinned), never on the proxy's.
@@ -183,6 +197,23 @@ engine_ttft() {
   curl -sf "$sim/metrics" | awk '/^vllm:time_to_first_token_seconds_sum/ {s += $NF}
     /^vllm:time_to_first_token_seconds_count/ {c += $NF} END {print s + 0, c + 0}'
 }
+
+# Every path is warmed before the first round with WARMUP seconds of the same load, unmeasured:
+# without it each proxy's first round also carried its cold start (its first connections to the
+# replica, its heap growing to its working size), which headroom, with more to allocate, paid
+# for more (its worst round was the first in five of six runs, 2026-12-06).
+if [ "$WARMUP" != 0 ]; then
+  for config in direct headroom nginx; do
+    case $config in
+      direct) url=$sim ;;
+      headroom) url=$headroom ;;
+      nginx) url=$nginx ;;
+    esac
+    echo "== warm-up: $config, ${WARMUP} s" >&2
+    "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$WARMUP" \
+      --target "$url" --seed 8 --out "$OUT/warmup-$config" >"$OUT/warmup-$config.txt" 2>&1 || true
+  done
+fi
 
 for round in $(seq "$ROUNDS"); do
   for config in direct headroom nginx; do
@@ -319,7 +350,7 @@ if [ -s "$OUT/capture.jsonl" ]; then
 fi
 
 build=""
-[ "$SERVE_BIN" != "$bin" ] && build="; headroom build: $SERVE_BIN"
+build="; warm-up ${WARMUP} s per path; headroom build: ${SERVE_BIN#"$PWD"/}"
 python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement$build" "$MODEL $TTFT_MS ms TTFT / $ITL_MS ms ITL" <<'PY'
 import json, statistics, sys
 out, rounds, hz = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])

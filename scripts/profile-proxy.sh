@@ -2,11 +2,18 @@
 # Instructions, not seconds: `headroom serve` under valgrind's callgrind while it relays N streams of
 # TOKENS tokens from a fixed-clock simulated replica (the overhead contract's trace, at RATE req/s;
 # callgrind slows the proxy ~50×, so keep RATE low). Counts are repeatable for the same binary and
-# inputs whatever else the machine does, so two builds compare exactly. Prints the run's total and
-# the request path's largest parts, inclusive; the whole profile is left for callgrind_annotate.
+# inputs whatever else the machine does, so two builds compare exactly. Prints, per relayed event,
+# the run's total and the worker's largest parts, inclusive; the whole profile is left for
+# callgrind_annotate.
 #
 #   scripts/profile-proxy.sh                   # N=100 RATE=5 TOKENS=100
 #   SERVE_BIN=/tmp/headroom-b scripts/profile-proxy.sh   # another build as the proxy
+#   CACHE=1 scripts/profile-proxy.sh           # also simulate the caches (callgrind --cache-sim):
+#                                              # instruction (I1mr) and data (D1mr) first-level
+#                                              # cache misses beside the instructions
+#   NGINX=1 scripts/profile-proxy.sh           # also nginx (one process, the overhead benchmark's
+#                                              # unbuffered SSE proxy) under callgrind, the same
+#                                              # trace: its event loop per relayed event, side by side
 set -euo pipefail
 if [ -n "${SERVE_BIN:-}" ]; then
   [ -x "$SERVE_BIN" ] || { echo "SERVE_BIN=$SERVE_BIN is not an executable" >&2; exit 1; }
@@ -32,8 +39,90 @@ trap cleanup EXIT
 stream_trace "$OUT/trace.jsonl" "$N" "$TOKENS"
 start_stream_replica fixed 20 10 "$OUT"
 printf '[[backends]]\nurl = "%s"\n' "$replica_url" >"$OUT/headroom.toml"
+CACHE=${CACHE:-0}
+NGINX=${NGINX:-0}
+callgrind=(valgrind --tool=callgrind)
+[ "$CACHE" = 1 ] && callgrind+=(--cache-sim=yes)
+chunks=$(( N * (TOKENS + 1) ))
+# per_event PROFILE PATTERN...: each function's inclusive counts (Ir, and with CACHE=1 the first-level
+# misses) divided by the relayed events.
+per_event() {
+  local profile=$1
+  shift
+  callgrind_annotate --inclusive=yes "$profile" 2>/dev/null | python3 -c '
+import re, sys
+chunks, cache = int(sys.argv[1]), sys.argv[2] == "1"
+patterns = sys.argv[3:]
+events, seen = None, set()
+for line in sys.stdin:
+    if line.startswith("Events recorded:"):
+        events = line.split(":", 1)[1].split()
+        continue
+    for p in patterns:
+        if p in seen or not re.search(p, line):
+            continue
+        seen.add(p)
+        counts = [int(n.replace(",", "")) for n in re.findall(r"([\d,]+) \(\s*[\d.]+%\)", line)]
+        row = dict(zip(events or ["Ir"], counts))
+        name = re.sub(r"^.*%\)\s+", "", line.strip())
+        name = re.sub(r" \[.*$", "", re.sub(r"^[^:]*:", "", name, count=1))
+        cols = "%9.0f Ir" % (row["Ir"] / chunks)
+        if cache:
+            cols += "  %6.1f I1mr  %6.1f D1mr" % (row.get("I1mr", 0) / chunks, row.get("D1mr", 0) / chunks)
+        print("%s  %s" % (cols, name[:100]))
+' "$chunks" "$CACHE" "$@"
+}
+
+if [ "$NGINX" = 1 ]; then
+  ngx_bin=$(command -v nginx || echo /usr/sbin/nginx)
+  [ -x "$ngx_bin" ] || { echo "NGINX=1 needs nginx (apt-get install nginx-light)" >&2; exit 1; }
+  ngx_dir=$(realpath "$OUT")/nginx
+  mkdir -p "$ngx_dir/logs" "$ngx_dir/body" "$ngx_dir/proxy"
+  ngx_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  # The benchmark's nginx (bench-overhead.sh), in one process in the foreground for valgrind.
+  cat >"$ngx_dir/nginx.conf" <<NGINX_CONF
+daemon off;
+master_process off;
+worker_processes 1;
+error_log $ngx_dir/logs/error.log warn;
+pid $ngx_dir/nginx.pid;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path $ngx_dir/body;
+  proxy_temp_path $ngx_dir/proxy;
+  upstream replica { server ${replica_url#http://}; keepalive 512; }
+  server {
+    listen 127.0.0.1:$ngx_port;
+    location / {
+      proxy_pass http://replica;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      client_max_body_size 0;
+      proxy_read_timeout 300s;
+    }
+  }
+}
+NGINX_CONF
+  rm -f "$OUT"/callgrind.nginx
+  "${callgrind[@]}" --callgrind-out-file="$OUT/callgrind.nginx" "$ngx_bin" -c "$ngx_dir/nginx.conf" \
+    -p "$ngx_dir" 2>"$OUT/nginx.valgrind.log" &
+  ngx_pid=$!
+  pids+=($ngx_pid)
+  for _ in $(seq 1200); do
+    python3 -c "import socket; socket.create_connection(('127.0.0.1', $ngx_port), 0.2)" 2>/dev/null && break
+    sleep 0.1
+  done
+  $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "http://127.0.0.1:$ngx_port" --seed 7 \
+    --out "$OUT/replay-nginx" >"$OUT/replay-nginx.txt" 2>"$OUT/replay-nginx.log"
+  kill -QUIT "$ngx_pid"
+  wait "$ngx_pid" || true
+fi
+
 rm -f "$OUT"/callgrind.out.*
-valgrind --tool=callgrind --callgrind-out-file="$OUT/callgrind.out.%p" "$SERVE_BIN" serve \
+"${callgrind[@]}" --callgrind-out-file="$OUT/callgrind.out.%p" "$SERVE_BIN" serve \
   --config "$OUT/headroom.toml" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
   --capture "$OUT/capture.jsonl" >"$OUT/headroom.url" 2>"$OUT/headroom.log" &
 proxy_pid=$!
@@ -47,10 +136,13 @@ $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "$url" --seed 7 -
 kill -INT "$proxy_pid"
 wait "$proxy_pid" || true
 profile=$(ls "$OUT"/callgrind.out.* | head -1)
-chunks=$(( N * (TOKENS + 1) ))
-echo "profile: $profile ($N requests, $chunks relayed events)"
-callgrind_annotate --inclusive=yes "$profile" 2>/dev/null |
-  grep -E 'PROGRAM TOTALS|forward::<impl headroom_proxy::app::Headroom>::forward::\{\{closure\}\} \[|ResponseMeter::(on_chunk|whole_events)[^ ]* \[|measure::read_event \[|Session::write_response_body::\{\{closure\}\} \[|BodyReader::read_body::\{\{closure\}\} \[|finish_record \[' |
-  awk -v c="$chunks" '{n=$1; gsub(",", "", n); f=$0; sub(/^[^)]*\)[ ]+/, "", f);
-    sub(/ \[.*$/, "", f); sub(/^[^:]*:/, "", f);
-    printf "%14s  %7.0f per event  %s\n", $1, n / c, substr(f, 1, 110)}'
+echo "headroom: $profile ($N requests, $chunks relayed events), per relayed event:"
+# The worker's loop (every task and the runtime's own work), the relay's task, the request path,
+# the meter and the request's record; start-up (TLS roots, config) is in the total only.
+per_event "$profile" 'PROGRAM TOTALS' 'worker::Context::run \[' 'worker::Context::run_task \[' \
+  'pump_in_own_task::\{\{closure\}\}::\{\{closure\}\} \[' 'ServerApp>::process_new::\{\{closure\}\} \[' \
+  'ResponseMeter::on_chunk$' 'Recorder::finish \['
+if [ "$NGINX" = 1 ]; then
+  echo "nginx: $OUT/callgrind.nginx, per relayed event:"
+  per_event "$OUT/callgrind.nginx" 'PROGRAM TOTALS' 'ngx_process_events_and_timers'
+fi
