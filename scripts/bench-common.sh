@@ -85,3 +85,37 @@ start_stream_replica() {
 }
 
 source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"
+
+# nginx_conf DIR PORT UPSTREAM WORKERS [PREAMBLE]: writes DIR/nginx.conf, the reference proxy of the
+# overhead benchmarks: nginx as a plain unbuffered SSE reverse proxy on 127.0.0.1:PORT in front of
+# UPSTREAM (host:port), HTTP/1.1 keep-alive to it, WORKERS worker processes, no access log; PREAMBLE
+# (main-context directives, e.g. `daemon off;`) goes first.
+nginx_conf() {
+  local dir=$1 port=$2 upstream=$3 workers=$4 preamble=${5:-}
+  mkdir -p "$dir/logs" "$dir/body" "$dir/proxy"
+  cat >"$dir/nginx.conf" <<NGINX_CONF
+$preamble
+worker_processes $workers;
+error_log $dir/logs/error.log warn;
+pid $dir/nginx.pid;
+events { worker_connections 8192; }
+http {
+  access_log off;
+  client_body_temp_path $dir/body;
+  proxy_temp_path $dir/proxy;
+  upstream replica { server $upstream; keepalive 512; }
+  server {
+    listen 127.0.0.1:$port;
+    location / {
+      proxy_pass http://replica;
+      proxy_http_version 1.1;
+      proxy_set_header Connection "";
+      proxy_buffering off;
+      proxy_request_buffering off;
+      client_max_body_size 0;
+      proxy_read_timeout 300s;
+    }
+  }
+}
+NGINX_CONF
+}

@@ -159,31 +159,7 @@ headroom=$(grep -m1 http "$OUT/headroom.url")
 
 nginx_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
 ndir=$(cd "$OUT" && pwd)/nginx
-mkdir -p "$ndir/logs"
-cat >"$ndir/nginx.conf" <<EOF
-worker_processes $sut_workers;
-error_log $ndir/logs/error.log warn;
-pid $ndir/nginx.pid;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  client_body_temp_path $ndir/body;
-  proxy_temp_path $ndir/proxy;
-  upstream replica { server $sim_hostport; keepalive 512; }
-  server {
-    listen 127.0.0.1:$nginx_port;
-    location / {
-      proxy_pass http://replica;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering off;
-      client_max_body_size 0;
-      proxy_read_timeout 300s;
-    }
-  }
-}
-EOF
+nginx_conf "$ndir" "$nginx_port" "$sim_hostport" "$sut_workers"
 "${sut_on[@]}" "$NGINX" -p "$ndir" -c "$ndir/nginx.conf" -g 'daemon off;' 2>"$ndir/logs/stderr.log" &
 nginx_pid=$!
 pids+=($nginx_pid)

@@ -77,35 +77,9 @@ if [ "$NGINX" = 1 ]; then
   ngx_bin=$(command -v nginx || echo /usr/sbin/nginx)
   [ -x "$ngx_bin" ] || { echo "NGINX=1 needs nginx (apt-get install nginx-light)" >&2; exit 1; }
   ngx_dir=$(realpath "$OUT")/nginx
-  mkdir -p "$ngx_dir/logs" "$ngx_dir/body" "$ngx_dir/proxy"
   ngx_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
   # The benchmark's nginx (bench-overhead.sh), in one process in the foreground for valgrind.
-  cat >"$ngx_dir/nginx.conf" <<NGINX_CONF
-daemon off;
-master_process off;
-worker_processes 1;
-error_log $ngx_dir/logs/error.log warn;
-pid $ngx_dir/nginx.pid;
-events { worker_connections 8192; }
-http {
-  access_log off;
-  client_body_temp_path $ngx_dir/body;
-  proxy_temp_path $ngx_dir/proxy;
-  upstream replica { server ${replica_url#http://}; keepalive 512; }
-  server {
-    listen 127.0.0.1:$ngx_port;
-    location / {
-      proxy_pass http://replica;
-      proxy_http_version 1.1;
-      proxy_set_header Connection "";
-      proxy_buffering off;
-      proxy_request_buffering off;
-      client_max_body_size 0;
-      proxy_read_timeout 300s;
-    }
-  }
-}
-NGINX_CONF
+  nginx_conf "$ngx_dir" "$ngx_port" "${replica_url#http://}" 1 "daemon off; master_process off;"
   rm -f "$OUT"/callgrind.nginx
   "${callgrind[@]}" --callgrind-out-file="$OUT/callgrind.nginx" "$ngx_bin" -c "$ngx_dir/nginx.conf" \
     -p "$ngx_dir" 2>"$OUT/nginx.valgrind.log" &
