@@ -293,8 +293,11 @@ impl EventReader {
     }
 
     /// What [`read_event`] says of `data`.
-    pub fn read(&mut self, data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
-        self.read_bytes(data.as_bytes(), digest)
+    pub fn read(&mut self, data: &str, mut digest: Option<&mut OutputDigest>) -> EventInfo {
+        match self.read_by_shape(data.as_bytes(), digest.as_deref_mut()) {
+            Some(info) => info,
+            None => self.read_whole(data, digest),
+        }
     }
 
     /// What [`read_event`] says of `data` as the stream carried it, bytes that are not UTF-8
@@ -302,20 +305,29 @@ impl EventReader {
     /// text: its bytes outside the text are the shape's own, and its text holds no quote,
     /// backslash or control byte.
     pub fn read_bytes(&mut self, data: &[u8], mut digest: Option<&mut OutputDigest>) -> EventInfo {
-        if let Some(shape) = &self.shape {
-            if let Some(text) = shape.text_of(data) {
-                if let Some(digest) = digest.as_deref_mut() {
-                    if !text.is_empty() {
-                        digest.event(&String::from_utf8_lossy(text));
-                    }
-                }
-                let mut info = shape.info.clone();
-                info.output = shape.cut.output_without_text || !text.is_empty();
-                return info;
+        match self.read_by_shape(data, digest.as_deref_mut()) {
+            Some(info) => info,
+            None => self.read_whole(&String::from_utf8_lossy(data), digest),
+        }
+    }
+
+    /// `data` read as an event of the last shape, when it is one.
+    fn read_by_shape(&self, data: &[u8], digest: Option<&mut OutputDigest>) -> Option<EventInfo> {
+        let shape = self.shape.as_ref()?;
+        let text = shape.text_of(data)?;
+        if let Some(digest) = digest {
+            if !text.is_empty() {
+                digest.event(&String::from_utf8_lossy(text));
             }
         }
-        let data = String::from_utf8_lossy(data);
-        let (info, cut) = parse_event(&data, digest);
+        let mut info = shape.info.clone();
+        info.output = shape.cut.output_without_text || !text.is_empty();
+        Some(info)
+    }
+
+    /// `data` parsed whole; it becomes the shape the next events are matched against.
+    fn read_whole(&mut self, data: &str, digest: Option<&mut OutputDigest>) -> EventInfo {
+        let (info, cut) = parse_event(data, digest);
         // An event of another shape (an escaped text, say) keeps the last shape known: the events
         // after it are likely that shape again.
         if let Some(cut) = cut {
@@ -327,7 +339,7 @@ impl EventReader {
                 info: EventInfo::default(),
             });
             shape.event.clear();
-            shape.event.push_str(&data);
+            shape.event.push_str(data);
             shape.cut = cut;
             shape.info.clone_from(&info);
         }
