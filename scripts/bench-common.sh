@@ -86,6 +86,11 @@ start_stream_replica() {
 
 source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"
 
+# free_port: a loopback TCP port nothing listens on (bound and let go: free unless taken since).
+free_port() {
+  python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
+}
+
 # nginx_conf DIR PORT UPSTREAM WORKERS [PREAMBLE]: writes DIR/nginx.conf, the reference proxy of the
 # overhead benchmarks: nginx as a plain unbuffered SSE reverse proxy on 127.0.0.1:PORT in front of
 # UPSTREAM (host:port), HTTP/1.1 keep-alive to it, WORKERS worker processes, no access log; PREAMBLE

@@ -157,7 +157,7 @@ pids+=($headroom_pid)
 wait_line "$OUT/headroom.log" "admin http"
 headroom=$(grep -m1 http "$OUT/headroom.url")
 
-nginx_port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print(s.getsockname()[1])')
+nginx_port=$(free_port)
 ndir=$(cd "$OUT" && pwd)/nginx
 nginx_conf "$ndir" "$nginx_port" "$sim_hostport" "$sut_workers"
 "${sut_on[@]}" "$NGINX" -p "$ndir" -c "$ndir/nginx.conf" -g 'daemon off;' 2>"$ndir/logs/stderr.log" &
@@ -174,17 +174,23 @@ engine_ttft() {
     /^vllm:time_to_first_token_seconds_count/ {c += $NF} END {print s + 0, c + 0}'
 }
 
+# path_of CONFIG: sets `url`, where CONFIG's load goes, and `watch`, the proxy process whose CPU is
+# counted (none for direct).
+path_of() {
+  case $1 in
+    direct) url=$sim; watch="" ;;
+    headroom) url=$headroom; watch=$headroom_pid ;;
+    nginx) url=$nginx; watch=$nginx_pid ;;
+  esac
+}
+
 # Every path is warmed before the first round with WARMUP seconds of the same load, unmeasured:
 # without it each proxy's first round also carried its cold start (its first connections to the
 # replica, its heap growing to its working size), which headroom, with more to allocate, paid
 # for more (its worst round was the first in five of six runs, 2026-12-06).
 if [ "$WARMUP" != 0 ]; then
   for config in direct headroom nginx; do
-    case $config in
-      direct) url=$sim ;;
-      headroom) url=$headroom ;;
-      nginx) url=$nginx ;;
-    esac
+    path_of "$config"
     echo "== warm-up: $config, ${WARMUP} s" >&2
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$WARMUP" \
       --target "$url" --seed 8 --out "$OUT/warmup-$config" >"$OUT/warmup-$config.txt" 2>&1 || true
@@ -193,11 +199,7 @@ fi
 
 for round in $(seq "$ROUNDS"); do
   for config in direct headroom nginx; do
-    case $config in
-      direct) url=$sim; watch="" ;;
-      headroom) url=$headroom; watch=$headroom_pid ;;
-      nginx) url=$nginx; watch=$nginx_pid ;;
-    esac
+    path_of "$config"
     dir="$OUT/$config-$round"
     before=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
     engine_before=$(engine_ttft)
@@ -325,7 +327,6 @@ if [ -s "$OUT/capture.jsonl" ]; then
   done
 fi
 
-build=""
 build="; warm-up ${WARMUP} s per path; headroom build: ${SERVE_BIN#"$PWD"/}"
 python3 - "$OUT" "$ROUNDS" "$(getconf CLK_TCK)" "$RATE" "$TOKENS" "$DURATION" "$placement$build" "$MODEL $TTFT_MS ms TTFT / $ITL_MS ms ITL" <<'PY'
 import json, statistics, sys

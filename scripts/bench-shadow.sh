@@ -46,7 +46,7 @@ start_sims 2 "$OUT/h200.url" --profile llama-3.1-8b --gpu h200
 start_sims 1 "$OUT/overloaded.url" --profile llama-3.1-8b --gpu h100
 start_sims 2 "$OUT/perturbed.url" --profile llama-3.1-8b --gpu h200 --perturb-text-rate "$PERTURB"
 # A port nothing listens on: bound, then released.
-python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1",0)); print("http://127.0.0.1:%d" % s.getsockname()[1])' >"$OUT/dead.url"
+echo "http://127.0.0.1:$(free_port)" >"$OUT/dead.url"
 all_urls=$(cat "$OUT"/{primary,h200,overloaded,perturbed}.url)
 # names PREFIX FILE: "p0", "p1", … one per line of FILE.
 names() { seq 0 $(($(wc -l <"$2") - 1)) | sed "s/.*/\"$1&\"/" | paste -sd, - | sed 's/,/, /g'; }

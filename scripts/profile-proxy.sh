@@ -77,7 +77,7 @@ if [ "$NGINX" = 1 ]; then
   ngx_bin=$(command -v nginx || echo /usr/sbin/nginx)
   [ -x "$ngx_bin" ] || { echo "NGINX=1 needs nginx (apt-get install nginx-light)" >&2; exit 1; }
   ngx_dir=$(realpath "$OUT")/nginx
-  ngx_port=$(python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+  ngx_port=$(free_port)
   # The benchmark's nginx (bench-overhead.sh), in one process in the foreground for valgrind.
   nginx_conf "$ngx_dir" "$ngx_port" "${replica_url#http://}" 1 "daemon off; master_process off;"
   rm -f "$OUT"/callgrind.nginx
