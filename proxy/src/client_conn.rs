@@ -1,8 +1,9 @@
 //! A client connection between and into its requests: after a response, the connection may stay
 //! idle for `timeouts.keepalive_ms` before it is closed, and once the next request's first byte
 //! arrives its whole header must follow within `timeouts.header_read_ms` (slowloris). The first
-//! request of a plaintext connection is bounded before the connection gets here (a peek in the
-//! accept loop); over TLS the bound applies here from the start.
+//! request of a plaintext connection is bounded before the connection gets here ([`FirstHeader`]:
+//! the accept loop reads the header as it arrives and the connection replays those bytes first);
+//! over TLS the bound applies here from the start.
 //!
 //! ```text
 //! phase   Off ──(response done)──▶ Idle ──(first byte)──▶ Header ──(header parsed)──▶ Off
@@ -29,7 +30,7 @@ use pingora::protocols::{
     GetProxyDigest, GetSocketDigest, GetTimingDigest, Peek, Shutdown, SocketDigest, Ssl, Stream,
     UniqueID, UniqueIDType,
 };
-use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
+use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
 
 /// No change asked for.
@@ -48,6 +49,94 @@ pub struct ConnLimits {
     pub keepalive: Duration,
     /// Counts the connections closed for a slow header.
     pub slow_headers: prometheus::IntCounter,
+}
+
+/// How long a new plaintext connection may take to deliver its first request header, and how much
+/// of it is read before the connection is handed on.
+#[derive(Debug, Clone)]
+pub struct FirstHeader {
+    /// From the connection's opening to its header's blank line.
+    pub budget: Duration,
+    /// Request line and header block at most; a longer header is handed on as read so far (the
+    /// header limits then answer 431).
+    pub max_bytes: usize,
+    /// Counts the connections closed for a slow header.
+    pub closed: prometheus::IntCounter,
+}
+
+impl FirstHeader {
+    /// Reads `io` until its first request header is complete (up to its blank line) or
+    /// `max_bytes` are in, within the budget, and returns what was read (it may hold the body's
+    /// first bytes too): the connection replays it before reading on ([`ClientConn::plain`]).
+    /// `None` when the client closed, failed or ran out of time (counted).
+    ///
+    /// Each read wakes on the socket's readiness and scans only the bytes it brought, so a header
+    /// split across segments is served as its last segment lands, and a client that trickles
+    /// costs one wake-up per segment and no re-parse of what came before.
+    pub async fn read<R: AsyncRead + Unpin>(&self, io: &mut R) -> Option<Vec<u8>> {
+        let read = async {
+            let mut buf = vec![0u8; self.max_bytes.min(4096)];
+            let mut filled = 0;
+            let mut scan = HeaderScan::default();
+            loop {
+                if filled == buf.len() {
+                    if filled >= self.max_bytes {
+                        return Some(buf);
+                    }
+                    buf.resize((filled * 2).min(self.max_bytes), 0);
+                }
+                match io.read(&mut buf[filled..]).await {
+                    Ok(0) | Err(_) => return None,
+                    Ok(n) => filled += n,
+                }
+                if scan.complete(&buf[..filled]) {
+                    buf.truncate(filled);
+                    return Some(buf);
+                }
+            }
+        };
+        match tokio::time::timeout(self.budget, read).await {
+            Ok(header) => header,
+            Err(_) => {
+                self.closed.inc();
+                None
+            }
+        }
+    }
+}
+
+/// Finds a request header's end (its blank line) in bytes that grow between calls, looking only at
+/// what is new. Empty lines before the request line are skipped, as the parser skips them: a blank
+/// line there is not the end of a header.
+#[derive(Debug, Default)]
+struct HeaderScan {
+    /// Where the request line starts, once a byte other than CR or LF has arrived.
+    start: Option<usize>,
+    /// Bytes looked at so far.
+    scanned: usize,
+}
+
+impl HeaderScan {
+    /// Whether `bytes` (what was given before, and more) hold a whole header.
+    fn complete(&mut self, bytes: &[u8]) -> bool {
+        let start = match self.start {
+            Some(start) => start,
+            None => match bytes[self.scanned..]
+                .iter()
+                .position(|b| !matches!(b, b'\r' | b'\n'))
+            {
+                Some(i) => *self.start.insert(self.scanned + i),
+                None => {
+                    self.scanned = bytes.len();
+                    return false;
+                }
+            },
+        };
+        // The blank line may straddle the previous read's end: look back three bytes.
+        let from = self.scanned.saturating_sub(3).max(start);
+        self.scanned = bytes.len();
+        bytes[from..].windows(4).any(|w| w == b"\r\n\r\n")
+    }
 }
 
 enum Phase {
@@ -77,6 +166,10 @@ enum Inner {
 /// A plaintext client socket and what pingora asks of it.
 struct PlainTcp {
     tcp: tokio::net::TcpStream,
+    /// Bytes read from the socket before the connection was made ([`FirstHeader::read`]), served
+    /// to its first reads; emptied (and freed) once served.
+    replay: Vec<u8>,
+    replayed: usize,
     socket: Option<Arc<SocketDigest>>,
     established: SystemTime,
     proxy: Option<Arc<pingora::protocols::raw_connect::ProxyDigest>>,
@@ -116,11 +209,13 @@ impl ClientConn {
         }
     }
 
-    /// A plaintext connection from `peer` whose first request's header has been bounded already.
+    /// A plaintext connection from `peer` whose first request's header has been bounded already;
+    /// `read` is what was read from it meanwhile, served to its first reads.
     pub fn plain(
         tcp: tokio::net::TcpStream,
         peer: std::net::SocketAddr,
         limits: ConnLimits,
+        read: Vec<u8>,
     ) -> Self {
         use std::os::fd::AsRawFd;
         // The client's address (X-Forwarded-For) as accept gave it, not asked of the socket again.
@@ -132,6 +227,8 @@ impl ClientConn {
         Self {
             inner: Inner::Plain(PlainTcp {
                 tcp,
+                replay: read,
+                replayed: 0,
                 socket,
                 established: SystemTime::now(),
                 proxy: None,
@@ -400,6 +497,17 @@ impl Inner {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         match self {
+            Inner::Plain(p) if p.replayed < p.replay.len() => {
+                let left = &p.replay[p.replayed..];
+                let n = left.len().min(buf.remaining());
+                buf.put_slice(&left[..n]);
+                p.replayed += n;
+                if p.replayed == p.replay.len() {
+                    p.replay = Vec::new();
+                    p.replayed = 0;
+                }
+                Poll::Ready(Ok(()))
+            }
             Inner::Plain(p) => Pin::new(&mut p.tcp).poll_read(cx, buf),
             Inner::Wrapped(s) => Pin::new(s).poll_read(cx, buf),
         }
@@ -586,7 +694,12 @@ mod tests {
     #[tokio::test]
     async fn a_chunk_larger_than_the_socket_holds_arrives_whole_and_framed() {
         let (server, mut client) = pair().await;
-        let conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let conn = ClientConn::plain(
+            server,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            Vec::new(),
+        );
         // More than loopback's socket buffers take at once: the write waits for the reader.
         let data: Vec<u8> = (0..32usize << 20).map(|i| (i % 251) as u8).collect();
         let reader = tokio::spawn(async move {
@@ -612,7 +725,12 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_client_that_takes_nothing_times_the_write_out() {
         let (server, _client) = pair().await;
-        let conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let conn = ClientConn::plain(
+            server,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            Vec::new(),
+        );
         let data = vec![b'x'; 64 << 20];
         match conn.write_chunk(&data, Duration::from_millis(100)).await {
             Some(Err(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut),
@@ -624,7 +742,12 @@ mod tests {
     async fn an_aborted_connection_takes_no_more_bytes() {
         use tokio::io::AsyncWriteExt;
         let (server, mut client) = pair().await;
-        let mut conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let mut conn = ClientConn::plain(
+            server,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            Vec::new(),
+        );
         conn.write_all(b"head").await.expect("write");
         conn.abort();
         assert!(conn.write_all(b"0\r\n\r\n").await.is_err());
@@ -642,7 +765,12 @@ mod tests {
     async fn a_relay_handle_writes_chunks_and_sees_the_client_leave() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (server, mut client) = pair().await;
-        let conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let conn = ClientConn::plain(
+            server,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            Vec::new(),
+        );
         let relay = conn.relay_handle().expect("plaintext").expect("dup");
         relay
             .write_chunk(b"data: x\n\n", Duration::from_secs(1))
@@ -676,7 +804,12 @@ mod tests {
     async fn a_pipelined_request_is_left_for_the_connection_and_not_taken_for_a_leave() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (server, mut client) = pair().await;
-        let mut conn = ClientConn::plain(server, "127.0.0.1:9".parse().expect("addr"), limits());
+        let mut conn = ClientConn::plain(
+            server,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            Vec::new(),
+        );
         let relay = conn.relay_handle().expect("plaintext").expect("dup");
         client
             .write_all(b"GET / HTTP/1.1\r\n")
@@ -693,6 +826,110 @@ mod tests {
             .await
             .expect("the bytes wait for the connection");
         assert_eq!(&next, b"GET / HTTP/1.1\r\n");
+    }
+
+    fn first_header(max_bytes: usize) -> FirstHeader {
+        FirstHeader {
+            budget: Duration::from_secs(10),
+            max_bytes,
+            closed: prometheus::IntCounter::new("closed", "slow first headers").expect("counter"),
+        }
+    }
+
+    #[test]
+    fn a_header_is_complete_at_its_blank_line_however_it_is_split() {
+        let request = b"\r\n\r\nPOST /v1/completions HTTP/1.1\r\nHost: a\r\nX: \r\n\r\n{\"p\":1}";
+        let end = request
+            .windows(4)
+            .rposition(|w| w == b"\r\n\r\n")
+            .expect("blank line")
+            + 4;
+        // Every way of cutting the bytes in two, three and byte by byte: complete exactly once
+        // the blank line's last byte is in, never on the empty lines before the request line.
+        for cut in 0..=request.len() {
+            for second in cut..=request.len() {
+                let mut scan = HeaderScan::default();
+                let mut done_at = None;
+                for upto in [cut, second, request.len()] {
+                    if done_at.is_none() && scan.complete(&request[..upto]) {
+                        done_at = Some(upto);
+                    }
+                }
+                let want = [cut, second, request.len()].into_iter().find(|&u| u >= end);
+                assert_eq!(done_at, want, "cut at {cut} and {second}");
+            }
+        }
+        let mut scan = HeaderScan::default();
+        let done_at = (1..=request.len()).find(|&upto| scan.complete(&request[..upto]));
+        assert_eq!(done_at, Some(end));
+        let mut scan = HeaderScan::default();
+        assert!(
+            !scan.complete(b"\r\n\r\n\r\n"),
+            "empty lines alone are not a header"
+        );
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_split_first_header_is_read_as_its_last_part_lands_and_replayed() {
+        use tokio::io::AsyncWriteExt;
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        let reader = first_header(1 << 16);
+        let start = tokio::time::Instant::now();
+        client
+            .write_all(b"POST / HTTP/1.1\r\nHo")
+            .await
+            .expect("write");
+        let reading = tokio::spawn(async move { reader.read(&mut server).await });
+        tokio::task::yield_now().await;
+        client.write_all(b"st: a\r\n\r\nbody").await.expect("write");
+        let read = reading.await.expect("task").expect("a whole header");
+        let header = b"POST / HTTP/1.1\r\nHost: a\r\n\r\n";
+        assert!(read.starts_with(header));
+        assert!(
+            b"body".starts_with(&read[header.len()..]),
+            "at most what was sent"
+        );
+        // Read as the bytes came: no timer ran (a back-off would have moved the paused clock).
+        assert_eq!(tokio::time::Instant::now(), start);
+
+        // The connection serves those bytes first, then the socket's.
+        let (tcp, mut peer) = pair().await;
+        let mut conn = ClientConn::plain(
+            tcp,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
+        );
+        peer.write_all(b"next").await.expect("write");
+        let mut got = [0u8; 22];
+        conn.read_exact(&mut got).await.expect("read");
+        assert_eq!(&got, b"GET / HTTP/1.1\r\n\r\nnext");
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn a_first_header_that_never_ends_is_cut_at_the_budget_and_an_oversized_one_handed_on() {
+        use tokio::io::AsyncWriteExt;
+        let reader = first_header(64);
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        client
+            .write_all(b"GET / HTTP/1.1\r\n")
+            .await
+            .expect("write");
+        assert!(reader.read(&mut server).await.is_none());
+        assert_eq!(reader.closed.get(), 1, "counted as a slow header");
+
+        // Past `max_bytes` without a blank line: handed on as read, for the header limits (431).
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        client.write_all(&[b'x'; 100]).await.expect("write");
+        let read = reader.read(&mut server).await.expect("handed on");
+        assert_eq!(read, vec![b'x'; 64]);
+
+        // A client that closes before its header ends: nothing to serve, not a slow header.
+        let (mut client, mut server) = tokio::io::duplex(1 << 16);
+        client.write_all(b"GET /").await.expect("write");
+        drop(client);
+        assert!(reader.read(&mut server).await.is_none());
+        assert_eq!(reader.closed.get(), 1);
     }
 
     #[tokio::test]

@@ -26,6 +26,7 @@ use tokio::task::JoinHandle;
 use crate::admission::Admission;
 use crate::admission::cap::{CapParams, Change, Feedback};
 use crate::app::Headroom;
+use crate::client_conn::{ClientConn, ConnLimits, FirstHeader};
 use crate::lifecycle::Lifecycle;
 use crate::routing::{
     BackendId, ConsistentHash, KvEvents, KvIndex, LeastLoad, PrefixAffinity, PrefixIndex,
@@ -564,7 +565,13 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         budget: Duration::from_millis(cfg.timeouts.header_read_ms),
         max_bytes: cfg.limits.max_header_bytes as usize + 8192,
         closed: shared.metrics.slow_headers_closed.clone(),
+    };
+    // Every later request of a connection is held to the same header deadline, and the
+    // connection to an idle limit between requests.
+    let limits = ConnLimits {
+        header: first_header.budget,
         keepalive: Duration::from_millis(cfg.timeouts.keepalive_ms),
+        slow_headers: first_header.closed.clone(),
     };
     // Listening stops on its own signal: a draining proxy still runs everything else.
     let (accept_stop, accept_rx) = watch::channel(false);
@@ -572,6 +579,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         listener,
         live_rx.clone(),
         first_header,
+        limits,
         tls,
         accept_rx,
     )));
@@ -936,62 +944,6 @@ impl Generation {
     }
 }
 
-/// How long a new connection may take to deliver its first request header.
-#[derive(Debug, Clone)]
-struct FirstHeader {
-    budget: Duration,
-    /// How long a kept-alive connection may wait idle for its next request.
-    keepalive: Duration,
-    /// Request line and header block at most; a fuller receive queue is handed on as it is
-    /// (the header limits then answer 431).
-    max_bytes: usize,
-    closed: prometheus::IntCounter,
-}
-
-impl FirstHeader {
-    /// Whether the connection's first request header (up to its blank line) is in the socket's
-    /// receive queue before the budget runs out. It only peeks, so nothing is consumed. A client
-    /// that sends its header in one go passes at the first peek; one that trickles is peeked at
-    /// with a back-off from 1 to 250 ms, a few syscalls a second, until the budget closes it.
-    async fn arrives(&self, tcp: &tokio::net::TcpStream) -> bool {
-        let wait = async {
-            let mut buf = vec![0u8; 4096];
-            let mut pause = Duration::from_millis(1);
-            loop {
-                let n = match tcp.peek(&mut buf).await {
-                    Ok(0) | Err(_) => return false,
-                    Ok(n) => n,
-                };
-                // Empty lines before the request line are skipped, as the parser skips them:
-                // a blank line there is not the end of a header.
-                let start = buf[..n]
-                    .iter()
-                    .position(|b| !matches!(b, b'\r' | b'\n'))
-                    .unwrap_or(n);
-                if buf[start..n].windows(4).any(|w| w == b"\r\n\r\n") {
-                    return true;
-                }
-                if n == buf.len() {
-                    if buf.len() >= self.max_bytes {
-                        return true;
-                    }
-                    buf.resize((buf.len() * 2).min(self.max_bytes), 0);
-                    continue;
-                }
-                tokio::time::sleep(pause).await;
-                pause = (pause * 2).min(Duration::from_millis(250));
-            }
-        };
-        match tokio::time::timeout(self.budget, wait).await {
-            Ok(arrived) => arrived,
-            Err(_) => {
-                self.closed.inc();
-                false
-            }
-        }
-    }
-}
-
 /// Closes idle upstream connections past their idle time, once a second, until `stop`.
 async fn sweep_loop(pool: Arc<crate::upstreams::h1::Pool>, mut stop: watch::Receiver<bool>) {
     let mut tick = tokio::time::interval(Duration::from_secs(1));
@@ -1089,6 +1041,7 @@ async fn accept_loop(
     listener: tokio::net::TcpListener,
     live: watch::Receiver<Live>,
     first_header: FirstHeader,
+    limits: ConnLimits,
     tls: Option<Arc<TlsAcceptor>>,
     mut stop: watch::Receiver<bool>,
 ) {
@@ -1109,24 +1062,25 @@ async fn accept_loop(
         let _ = tcp.set_nodelay(true);
         // The config now serving takes the connection (after a reload, the new one).
         let app = live.borrow().app.clone();
-        let (shutdown, first_header, tls) = (stop.clone(), first_header.clone(), tls.clone());
+        let (shutdown, first_header, limits, tls) = (
+            stop.clone(),
+            first_header.clone(),
+            limits.clone(),
+            tls.clone(),
+        );
         tokio::spawn(async move {
             use pingora::protocols::{GetSocketDigest, SocketDigest};
             use std::os::fd::AsRawFd;
-            // Plaintext: the first header must be in the socket within the budget (peeked).
+            // Plaintext: the first header must be read within the budget (and is replayed).
             // TLS: the handshake must finish within it (the header is not readable before).
-            if tls.is_none() && !first_header.arrives(&tcp).await {
-                return;
-            }
-            // Every later request of the connection is held to the same header deadline, and
-            // the connection to an idle limit between requests.
-            let limits = crate::client_conn::ConnLimits {
-                header: first_header.budget,
-                keepalive: first_header.keepalive,
-                slow_headers: first_header.closed.clone(),
-            };
             let conn = match &tls {
-                None => crate::client_conn::ClientConn::plain(tcp, peer, limits),
+                None => {
+                    let mut tcp = tcp;
+                    let Some(read) = first_header.read(&mut tcp).await else {
+                        return;
+                    };
+                    ClientConn::plain(tcp, peer, limits, read)
+                }
                 Some(acceptor) => {
                     let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);
                     // The client's address (X-Forwarded-For) is read from the socket when first
@@ -1134,7 +1088,7 @@ async fn accept_loop(
                     stream.set_socket_digest(SocketDigest::from_raw_fd(stream.as_raw_fd()));
                     let shake = acceptor.tls_handshake(stream);
                     match tokio::time::timeout(first_header.budget, shake).await {
-                        Ok(Ok(s)) => crate::client_conn::ClientConn::new(Box::new(s), limits, true),
+                        Ok(Ok(s)) => ClientConn::new(Box::new(s), limits, true),
                         Ok(Err(e)) => {
                             tracing::debug!("TLS handshake failed: {e}");
                             return;
