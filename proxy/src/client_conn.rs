@@ -105,9 +105,10 @@ impl FirstHeader {
     }
 }
 
-/// Finds a request header's end (its blank line) in bytes that grow between calls, looking only at
-/// what is new. Empty lines before the request line are skipped, as the parser skips them: a blank
-/// line there is not the end of a header.
+/// Finds a request header's end (its empty line) in bytes that grow between calls, looking only at
+/// what is new. A line may end in CRLF or a bare LF, as the parser accepts (RFC 9112 §2.2), so the
+/// header ends at the first `\n\n` or `\n\r\n`. Empty lines before the request line are skipped,
+/// as the parser skips them: a blank line there is not the end of a header.
 #[derive(Debug, Default)]
 struct HeaderScan {
     /// Where the request line starts, once a byte other than CR or LF has arrived.
@@ -132,10 +133,11 @@ impl HeaderScan {
                 }
             },
         };
-        // The blank line may straddle the previous read's end: look back three bytes.
-        let from = self.scanned.saturating_sub(3).max(start);
+        // The empty line may straddle the previous read's end: look back two bytes.
+        let from = self.scanned.saturating_sub(2).max(start);
         self.scanned = bytes.len();
-        bytes[from..].windows(4).any(|w| w == b"\r\n\r\n")
+        let new = &bytes[from..];
+        (0..new.len()).any(|i| matches!(&new[i..], [b'\n', b'\n', ..] | [b'\n', b'\r', b'\n', ..]))
     }
 }
 
@@ -645,7 +647,8 @@ impl Peek for ClientConn {
     async fn try_peek(&mut self, buf: &mut [u8]) -> std::io::Result<bool> {
         match &mut self.inner {
             // Nothing here peeks (pingora asks only to detect h2c, which is off): a peek that
-            // filled less than `buf` would mislead it, so say peeking is not supported.
+            // filled less than `buf` would mislead it, and one at the socket would miss the bytes
+            // read before the connection was made, so say peeking is not supported.
             Inner::Plain(_) => Ok(false),
             Inner::Wrapped(s) => s.try_peek(buf).await,
         }
@@ -838,14 +841,29 @@ mod tests {
 
     #[test]
     fn a_header_is_complete_at_its_blank_line_however_it_is_split() {
-        let request = b"\r\n\r\nPOST /v1/completions HTTP/1.1\r\nHost: a\r\nX: \r\n\r\n{\"p\":1}";
-        let end = request
-            .windows(4)
-            .rposition(|w| w == b"\r\n\r\n")
-            .expect("blank line")
-            + 4;
         // Every way of cutting the bytes in two, three and byte by byte: complete exactly once
-        // the blank line's last byte is in, never on the empty lines before the request line.
+        // the empty line's last byte is in, never on the empty lines before the request line;
+        // with CRLF line ends, bare LF ones and a mix.
+        for (request, end) in [
+            (
+                &b"\r\n\r\nPOST /v1/completions HTTP/1.1\r\nHost: a\r\nX: \r\n\r\n{\"p\":1}"[..],
+                51,
+            ),
+            (&b"\n\nGET / HTTP/1.0\nHost: a\n\nbody"[..], 26),
+            (&b"\r\nGET / HTTP/1.1\r\nHost: a\n\r\n\n"[..], 28),
+        ] {
+            assert!(matches!(&request[end - 2..end], b"\n\n" | b"\r\n"));
+            complete_at(request, end);
+        }
+        let mut scan = HeaderScan::default();
+        assert!(
+            !scan.complete(b"\r\n\r\n\n\r\n"),
+            "empty lines alone are not a header"
+        );
+    }
+
+    /// Asserts that `request` is seen whole exactly at byte `end`, however it is cut.
+    fn complete_at(request: &[u8], end: usize) {
         for cut in 0..=request.len() {
             for second in cut..=request.len() {
                 let mut scan = HeaderScan::default();
@@ -862,11 +880,6 @@ mod tests {
         let mut scan = HeaderScan::default();
         let done_at = (1..=request.len()).find(|&upto| scan.complete(&request[..upto]));
         assert_eq!(done_at, Some(end));
-        let mut scan = HeaderScan::default();
-        assert!(
-            !scan.complete(b"\r\n\r\n\r\n"),
-            "empty lines alone are not a header"
-        );
     }
 
     #[tokio::test(start_paused = true)]
@@ -881,6 +894,7 @@ mod tests {
             .expect("write");
         let reading = tokio::spawn(async move { reader.read(&mut server).await });
         tokio::task::yield_now().await;
+        assert!(!reading.is_finished(), "waits for the rest of the header");
         client.write_all(b"st: a\r\n\r\nbody").await.expect("write");
         let read = reading.await.expect("task").expect("a whole header");
         let header = b"POST / HTTP/1.1\r\nHost: a\r\n\r\n";
@@ -901,9 +915,15 @@ mod tests {
             b"GET / HTTP/1.1\r\n\r\n".to_vec(),
         );
         peer.write_all(b"next").await.expect("write");
-        let mut got = [0u8; 22];
-        conn.read_exact(&mut got).await.expect("read");
-        assert_eq!(&got, b"GET / HTTP/1.1\r\n\r\nnext");
+        // Read in pieces smaller than what is replayed.
+        let mut got = Vec::new();
+        let mut piece = [0u8; 5];
+        while got.len() < 22 {
+            let n = conn.read(&mut piece).await.expect("read");
+            assert!(n > 0, "ended early: {got:?}");
+            got.extend_from_slice(&piece[..n]);
+        }
+        assert_eq!(got, b"GET / HTTP/1.1\r\n\r\nnext");
     }
 
     #[tokio::test(start_paused = true)]
