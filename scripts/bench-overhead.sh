@@ -447,10 +447,15 @@ if wire:
                   "the direct rounds, when no proxy ran there), each round: " + "; ".join(
                       f"{p['pauses']} pauses over {p['min_us']:.0f} µs ({p['over_500us']} over 0.5 ms, {p['over_1ms']} over 1 ms), "
                       f"{100 * p['lost_fraction']:.2f}% of the time, longest {p['max_ms']:.2f} ms" for p in pauses)]
-    lines += ["", "Each round, TTFT share p50 / p99 and every event p50 / p99 µs:", ""]
+    # A proxy (or the machine under it) that stops reading for longer than the sender's tail-loss
+    # probe timeout (two round trips and a tick) draws segments sent again although none was lost:
+    # many of them in a round mark a long stall, whichever proxy was measured.
+    lines += ["", "Each round, TTFT share p50 / p99 and every event p50 / p99 µs, the longest an event was "
+              "held, and the segments sent again (tail-loss probes: a reader that stopped reading):", ""]
     for c, rows in wire.items():
         lines.append(f"- {c}: " + "; ".join(f"{w['ttft_share_us']['p50']:.0f} / {w['ttft_share_us']['p99']:.0f} and "
-                                             f"{w['event_us']['p50']:.0f} / {w['event_us']['p99']:.0f}"
+                                             f"{w['event_us']['p50']:.0f} / {w['event_us']['p99']:.0f}, "
+                                             f"{w['event_us']['max'] / 1000:.1f} ms, {w.get('resent_segments', 0)} resent"
                                              for w in rows if w["event_us"]["n"] and w["ttft_share_us"]["n"]))
 def pct(xs, q):
     xs = sorted(xs)
