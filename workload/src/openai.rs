@@ -39,13 +39,46 @@ pub(crate) mod lax {
     use serde::de::Error as _;
     use serde::{Deserialize, Deserializer};
 
-    #[derive(Deserialize)]
-    #[serde(untagged)]
+    /// A JSON scalar as it came. Read straight from the parser's token (an untagged enum would
+    /// buffer the value and build, then drop, a formatted error for every variant before the one
+    /// that fits: four or five per request).
     enum Scalar {
         Bool(bool),
         Int(i64),
         Float(f64),
         Text(String),
+    }
+
+    impl<'de> Deserialize<'de> for Scalar {
+        fn deserialize<D: Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+            struct Read;
+            impl serde::de::Visitor<'_> for Read {
+                type Value = Scalar;
+                fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                    f.write_str("a boolean, a number or a string")
+                }
+                fn visit_bool<E>(self, b: bool) -> Result<Scalar, E> {
+                    Ok(Scalar::Bool(b))
+                }
+                fn visit_i64<E>(self, i: i64) -> Result<Scalar, E> {
+                    Ok(Scalar::Int(i))
+                }
+                fn visit_u64<E>(self, u: u64) -> Result<Scalar, E> {
+                    // Past i64's range: a float, as JSON numbers are.
+                    Ok(i64::try_from(u).map_or(Scalar::Float(u as f64), Scalar::Int))
+                }
+                fn visit_f64<E>(self, f: f64) -> Result<Scalar, E> {
+                    Ok(Scalar::Float(f))
+                }
+                fn visit_str<E>(self, t: &str) -> Result<Scalar, E> {
+                    Ok(Scalar::Text(t.to_owned()))
+                }
+                fn visit_string<E>(self, t: String) -> Result<Scalar, E> {
+                    Ok(Scalar::Text(t))
+                }
+            }
+            d.deserialize_any(Read)
+        }
     }
 
     impl Scalar {
