@@ -86,13 +86,44 @@ fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 
-/// Percentile of already sorted gaps, in ms (nearest rank).
-fn gap_percentile(sorted: &[Duration], q: f64) -> Option<f64> {
-    if sorted.is_empty() {
+/// A stream's inter-token gaps summed up for its trace record, in ms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+struct GapSummary {
+    mean: f64,
+    p50: f64,
+    p99: f64,
+    max: f64,
+}
+
+/// The gaps' mean, p50 and p99 (nearest rank) and max, found by selection (linear in the gaps;
+/// a sort of a long generation's thousands of gaps would hold the worker at the stream's end).
+/// Reorders `gaps`; `None` when there are none.
+fn gap_summary(gaps: &mut [Duration]) -> Option<GapSummary> {
+    let n = gaps.len();
+    if n == 0 {
         return None;
     }
-    let rank = ((q * sorted.len() as f64).ceil() as usize).clamp(1, sorted.len());
-    Some(ms(sorted[rank - 1]))
+    let rank = |q: f64| ((q * n as f64).ceil() as usize).clamp(1, n) - 1;
+    let (r50, r99) = (rank(0.50), rank(0.99));
+    let mean = gaps.iter().map(|g| ms(*g)).sum::<f64>() / n as f64;
+    let (_, p50, above) = gaps.select_nth_unstable(r50);
+    let p50 = *p50;
+    // Everything past the median is at least it: p99 and the max are among those.
+    let (p99, max) = match above.len() {
+        0 => (p50, p50),
+        _ if r99 == r50 => (p50, *above.iter().max().unwrap_or(&p50)),
+        _ => {
+            let (_, p99, top) = above.select_nth_unstable(r99 - r50 - 1);
+            let p99 = *p99;
+            (p99, top.iter().copied().max().unwrap_or(p99))
+        }
+    };
+    Some(GapSummary {
+        mean,
+        p50: ms(p50),
+        p99: ms(p99),
+        max: ms(max),
+    })
 }
 
 /// A response that was `relayed` to its end completed when its status was 2xx, its stream
@@ -313,8 +344,7 @@ impl Recorder {
             return tokens;
         }
         // The gaps are not needed in arrival order any more.
-        let gaps = &mut timing.itl;
-        gaps.sort_unstable();
+        let gaps = gap_summary(&mut timing.itl);
         let input_length = u32::try_from(prompt_tokens).unwrap_or(u32::MAX).max(1);
         let record = TraceRecord {
             timestamp: 0,
@@ -335,11 +365,10 @@ impl Recorder {
             queue_ms: queue.map(ms),
             ttft_ms: timing.ttft.map(ms),
             tpot_ms: tpot.map(ms),
-            itl_mean_ms: (!gaps.is_empty())
-                .then(|| gaps.iter().map(|g| ms(*g)).sum::<f64>() / gaps.len() as f64),
-            itl_p50_ms: gap_percentile(gaps, 0.50),
-            itl_p99_ms: gap_percentile(gaps, 0.99),
-            itl_max_ms: gaps.last().map(|g| ms(*g)),
+            itl_mean_ms: gaps.map(|g| g.mean),
+            itl_p50_ms: gaps.map(|g| g.p50),
+            itl_p99_ms: gaps.map(|g| g.p99),
+            itl_max_ms: gaps.map(|g| g.max),
             e2e_ms: timing.e2e.map(ms),
             finish_reason: timing.finish_reason.take().or_else(|| {
                 (!completed).then(|| if o.status == 499 { "abort" } else { "error" }.to_owned())
@@ -448,9 +477,41 @@ mod tests {
         };
         assert_eq!(missed(&o, &slow_decode), vec!["tpot", "e2e"]);
         assert!(missed(&Objectives::default(), &slow_decode).is_empty());
+        let two = gap_summary(&mut [Duration::from_millis(1), Duration::from_millis(9)]);
         assert_eq!(
-            gap_percentile(&[Duration::from_millis(1), Duration::from_millis(9)], 0.5),
-            Some(1.0)
+            two,
+            Some(GapSummary {
+                mean: 5.0,
+                p50: 1.0,
+                p99: 9.0,
+                max: 9.0
+            })
         );
+        assert_eq!(gap_summary(&mut []), None);
+    }
+
+    #[test]
+    fn gap_summaries_by_selection_match_a_sort() {
+        // Nearest rank over the sorted gaps, for every length up to 300 and values with ties.
+        let mut state = 0x2545_f491_4f6c_dd1d_u64;
+        for n in 1..=300usize {
+            let mut gaps: Vec<Duration> = (0..n)
+                .map(|_| {
+                    state ^= state << 13;
+                    state ^= state >> 7;
+                    state ^= state << 17;
+                    Duration::from_micros(state % 50)
+                })
+                .collect();
+            let mut sorted = gaps.clone();
+            sorted.sort_unstable();
+            let at = |q: f64| ms(sorted[((q * n as f64).ceil() as usize).clamp(1, n) - 1]);
+            let mean = sorted.iter().map(|g| ms(*g)).sum::<f64>() / n as f64;
+            let got = gap_summary(&mut gaps).expect("gaps");
+            assert_eq!(got.p50, at(0.50), "n = {n}");
+            assert_eq!(got.p99, at(0.99), "n = {n}");
+            assert_eq!(got.max, ms(sorted[n - 1]), "n = {n}");
+            assert!((got.mean - mean).abs() < 1e-9, "n = {n}");
+        }
     }
 }
