@@ -1,9 +1,9 @@
 //! A client connection between and into its requests: after a response, the connection may stay
 //! idle for `timeouts.keepalive_ms` before it is closed, and once the next request's first byte
 //! arrives its whole header must follow within `timeouts.header_read_ms` (slowloris). The first
-//! request of a plaintext connection is bounded before the connection gets here ([`FirstHeader`]:
-//! the accept loop reads the header as it arrives and the connection replays those bytes first);
-//! over TLS the bound applies here from the start.
+//! request of a plaintext connection is bounded before the connection gets here
+//! ([`ConnLimits::read_first_header`]: the accept loop reads the header as it arrives and the
+//! connection replays those bytes first); over TLS the bound applies here from the start.
 //!
 //! ```text
 //! phase   Off ──(response done)──▶ Idle ──(first byte)──▶ Header ──(header parsed)──▶ Off
@@ -40,50 +40,44 @@ const ARM_IDLE: u8 = 1;
 /// A request header was parsed: stop watching.
 const DISARM: u8 = 2;
 
-/// The limits a client connection is held to between its requests.
+/// The limits a client connection is held to at its start and between its requests.
 #[derive(Debug, Clone)]
 pub struct ConnLimits {
-    /// How long a header may take from its first byte.
+    /// How long a header may take from its first byte (a new connection's first header, or its
+    /// TLS handshake: from the connection's opening).
     pub header: Duration,
     /// How long a kept-alive connection may wait idle for its next request.
     pub keepalive: Duration,
+    /// How much of a new plaintext connection's first header is read before the connection is
+    /// handed on: the request line and header block at most; a longer header is handed on as read
+    /// so far (the header limits then answer 431).
+    pub first_header_bytes: usize,
     /// Counts the connections closed for a slow header.
     pub slow_headers: prometheus::IntCounter,
 }
 
-/// How long a new plaintext connection may take to deliver its first request header, and how much
-/// of it is read before the connection is handed on.
-#[derive(Debug, Clone)]
-pub struct FirstHeader {
-    /// From the connection's opening to its header's blank line.
-    pub budget: Duration,
-    /// Request line and header block at most; a longer header is handed on as read so far (the
-    /// header limits then answer 431).
-    pub max_bytes: usize,
-    /// Counts the connections closed for a slow header.
-    pub closed: prometheus::IntCounter,
-}
-
-impl FirstHeader {
-    /// Reads `io` until its first request header is complete (up to its blank line) or
-    /// `max_bytes` are in, within the budget, and returns what was read (it may hold the body's
-    /// first bytes too): the connection replays it before reading on ([`ClientConn::plain`]).
-    /// `None` when the client closed, failed or ran out of time (counted).
+impl ConnLimits {
+    /// Reads `io` until its first request header is complete (up to its empty line) or
+    /// `first_header_bytes` are in, within `header`, and returns what was read (it may hold the
+    /// body's first bytes too): the connection replays it before reading on
+    /// ([`ClientConn::plain`]). `None` when the client closed, failed or ran out of time
+    /// (counted in `slow_headers`).
     ///
     /// Each read wakes on the socket's readiness and scans only the bytes it brought, so a header
     /// split across segments is served as its last segment lands, and a client that trickles
     /// costs one wake-up per segment and no re-parse of what came before.
-    pub async fn read<R: AsyncRead + Unpin>(&self, io: &mut R) -> Option<Vec<u8>> {
+    pub async fn read_first_header<R: AsyncRead + Unpin>(&self, io: &mut R) -> Option<Vec<u8>> {
+        let max_bytes = self.first_header_bytes;
         let read = async {
-            let mut buf = vec![0u8; self.max_bytes.min(4096)];
+            let mut buf = vec![0u8; max_bytes.min(4096)];
             let mut filled = 0;
             let mut scan = HeaderScan::default();
             loop {
                 if filled == buf.len() {
-                    if filled >= self.max_bytes {
+                    if filled >= max_bytes {
                         return Some(buf);
                     }
-                    buf.resize((filled * 2).min(self.max_bytes), 0);
+                    buf.resize((filled * 2).min(max_bytes), 0);
                 }
                 match io.read(&mut buf[filled..]).await {
                     Ok(0) | Err(_) => return None,
@@ -95,10 +89,10 @@ impl FirstHeader {
                 }
             }
         };
-        match tokio::time::timeout(self.budget, read).await {
+        match tokio::time::timeout(self.header, read).await {
             Ok(header) => header,
             Err(_) => {
-                self.closed.inc();
+                self.slow_headers.inc();
                 None
             }
         }
@@ -168,10 +162,9 @@ enum Inner {
 /// A plaintext client socket and what pingora asks of it.
 struct PlainTcp {
     tcp: tokio::net::TcpStream,
-    /// Bytes read from the socket before the connection was made ([`FirstHeader::read`]), served
-    /// to its first reads; emptied (and freed) once served.
+    /// Bytes read from the socket before the connection was made
+    /// ([`ConnLimits::read_first_header`]), served to its first reads; freed once served.
     replay: Vec<u8>,
-    replayed: usize,
     socket: Option<Arc<SocketDigest>>,
     established: SystemTime,
     proxy: Option<Arc<pingora::protocols::raw_connect::ProxyDigest>>,
@@ -230,7 +223,6 @@ impl ClientConn {
             inner: Inner::Plain(PlainTcp {
                 tcp,
                 replay: read,
-                replayed: 0,
                 socket,
                 established: SystemTime::now(),
                 proxy: None,
@@ -499,14 +491,13 @@ impl Inner {
         buf: &mut ReadBuf<'_>,
     ) -> Poll<std::io::Result<()>> {
         match self {
-            Inner::Plain(p) if p.replayed < p.replay.len() => {
-                let left = &p.replay[p.replayed..];
-                let n = left.len().min(buf.remaining());
-                buf.put_slice(&left[..n]);
-                p.replayed += n;
-                if p.replayed == p.replay.len() {
+            Inner::Plain(p) if !p.replay.is_empty() => {
+                let n = p.replay.len().min(buf.remaining());
+                buf.put_slice(&p.replay[..n]);
+                if n == p.replay.len() {
                     p.replay = Vec::new();
-                    p.replayed = 0;
+                } else {
+                    p.replay.drain(..n);
                 }
                 Poll::Ready(Ok(()))
             }
@@ -664,8 +655,19 @@ mod tests {
         ConnLimits {
             header: Duration::from_secs(5),
             keepalive: Duration::from_secs(5),
+            first_header_bytes: 1 << 16,
             slow_headers: prometheus::IntCounter::new("slow", "slow headers").expect("counter"),
         }
+    }
+
+    /// The proxy's side of a plaintext connection, `replay` read from it already.
+    fn plain(tcp: tokio::net::TcpStream, replay: &[u8]) -> ClientConn {
+        ClientConn::plain(
+            tcp,
+            "127.0.0.1:9".parse().expect("addr"),
+            limits(),
+            replay.to_vec(),
+        )
     }
 
     /// A connected pair: the proxy's side and the client's.
@@ -697,12 +699,7 @@ mod tests {
     #[tokio::test]
     async fn a_chunk_larger_than_the_socket_holds_arrives_whole_and_framed() {
         let (server, mut client) = pair().await;
-        let conn = ClientConn::plain(
-            server,
-            "127.0.0.1:9".parse().expect("addr"),
-            limits(),
-            Vec::new(),
-        );
+        let conn = plain(server, b"");
         // More than loopback's socket buffers take at once: the write waits for the reader.
         let data: Vec<u8> = (0..32usize << 20).map(|i| (i % 251) as u8).collect();
         let reader = tokio::spawn(async move {
@@ -728,12 +725,7 @@ mod tests {
     #[tokio::test(start_paused = true)]
     async fn a_client_that_takes_nothing_times_the_write_out() {
         let (server, _client) = pair().await;
-        let conn = ClientConn::plain(
-            server,
-            "127.0.0.1:9".parse().expect("addr"),
-            limits(),
-            Vec::new(),
-        );
+        let conn = plain(server, b"");
         let data = vec![b'x'; 64 << 20];
         match conn.write_chunk(&data, Duration::from_millis(100)).await {
             Some(Err(e)) => assert_eq!(e.kind(), std::io::ErrorKind::TimedOut),
@@ -745,12 +737,7 @@ mod tests {
     async fn an_aborted_connection_takes_no_more_bytes() {
         use tokio::io::AsyncWriteExt;
         let (server, mut client) = pair().await;
-        let mut conn = ClientConn::plain(
-            server,
-            "127.0.0.1:9".parse().expect("addr"),
-            limits(),
-            Vec::new(),
-        );
+        let mut conn = plain(server, b"");
         conn.write_all(b"head").await.expect("write");
         conn.abort();
         assert!(conn.write_all(b"0\r\n\r\n").await.is_err());
@@ -768,12 +755,7 @@ mod tests {
     async fn a_relay_handle_writes_chunks_and_sees_the_client_leave() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (server, mut client) = pair().await;
-        let conn = ClientConn::plain(
-            server,
-            "127.0.0.1:9".parse().expect("addr"),
-            limits(),
-            Vec::new(),
-        );
+        let conn = plain(server, b"");
         let relay = conn.relay_handle().expect("plaintext").expect("dup");
         relay
             .write_chunk(b"data: x\n\n", Duration::from_secs(1))
@@ -807,12 +789,7 @@ mod tests {
     async fn a_pipelined_request_is_left_for_the_connection_and_not_taken_for_a_leave() {
         use tokio::io::{AsyncReadExt, AsyncWriteExt};
         let (server, mut client) = pair().await;
-        let mut conn = ClientConn::plain(
-            server,
-            "127.0.0.1:9".parse().expect("addr"),
-            limits(),
-            Vec::new(),
-        );
+        let mut conn = plain(server, b"");
         let relay = conn.relay_handle().expect("plaintext").expect("dup");
         client
             .write_all(b"GET / HTTP/1.1\r\n")
@@ -831,11 +808,11 @@ mod tests {
         assert_eq!(&next, b"GET / HTTP/1.1\r\n");
     }
 
-    fn first_header(max_bytes: usize) -> FirstHeader {
-        FirstHeader {
-            budget: Duration::from_secs(10),
-            max_bytes,
-            closed: prometheus::IntCounter::new("closed", "slow first headers").expect("counter"),
+    fn first_header(max_bytes: usize) -> ConnLimits {
+        ConnLimits {
+            header: Duration::from_secs(10),
+            first_header_bytes: max_bytes,
+            ..limits()
         }
     }
 
@@ -892,7 +869,7 @@ mod tests {
             .write_all(b"POST / HTTP/1.1\r\nHo")
             .await
             .expect("write");
-        let reading = tokio::spawn(async move { reader.read(&mut server).await });
+        let reading = tokio::spawn(async move { reader.read_first_header(&mut server).await });
         tokio::task::yield_now().await;
         assert!(!reading.is_finished(), "waits for the rest of the header");
         client.write_all(b"st: a\r\n\r\nbody").await.expect("write");
@@ -908,12 +885,7 @@ mod tests {
 
         // The connection serves those bytes first, then the socket's.
         let (tcp, mut peer) = pair().await;
-        let mut conn = ClientConn::plain(
-            tcp,
-            "127.0.0.1:9".parse().expect("addr"),
-            limits(),
-            b"GET / HTTP/1.1\r\n\r\n".to_vec(),
-        );
+        let mut conn = plain(tcp, b"GET / HTTP/1.1\r\n\r\n");
         peer.write_all(b"next").await.expect("write");
         // Read in pieces smaller than what is replayed.
         let mut got = Vec::new();
@@ -935,21 +907,24 @@ mod tests {
             .write_all(b"GET / HTTP/1.1\r\n")
             .await
             .expect("write");
-        assert!(reader.read(&mut server).await.is_none());
-        assert_eq!(reader.closed.get(), 1, "counted as a slow header");
+        assert!(reader.read_first_header(&mut server).await.is_none());
+        assert_eq!(reader.slow_headers.get(), 1, "counted as a slow header");
 
         // Past `max_bytes` without a blank line: handed on as read, for the header limits (431).
         let (mut client, mut server) = tokio::io::duplex(1 << 16);
         client.write_all(&[b'x'; 100]).await.expect("write");
-        let read = reader.read(&mut server).await.expect("handed on");
+        let read = reader
+            .read_first_header(&mut server)
+            .await
+            .expect("handed on");
         assert_eq!(read, vec![b'x'; 64]);
 
         // A client that closes before its header ends: nothing to serve, not a slow header.
         let (mut client, mut server) = tokio::io::duplex(1 << 16);
         client.write_all(b"GET /").await.expect("write");
         drop(client);
-        assert!(reader.read(&mut server).await.is_none());
-        assert_eq!(reader.closed.get(), 1);
+        assert!(reader.read_first_header(&mut server).await.is_none());
+        assert_eq!(reader.slow_headers.get(), 1);
     }
 
     #[tokio::test]

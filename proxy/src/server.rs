@@ -26,7 +26,7 @@ use tokio::task::JoinHandle;
 use crate::admission::Admission;
 use crate::admission::cap::{CapParams, Change, Feedback};
 use crate::app::Headroom;
-use crate::client_conn::{ClientConn, ConnLimits, FirstHeader};
+use crate::client_conn::{ClientConn, ConnLimits};
 use crate::lifecycle::Lifecycle;
 use crate::routing::{
     BackendId, ConsistentHash, KvEvents, KvIndex, LeastLoad, PrefixAffinity, PrefixIndex,
@@ -561,24 +561,19 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
     let (live, live_rx) = watch::channel(generation.live.clone());
     let (stop, stop_rx) = watch::channel(false);
     let mut tasks = Vec::new();
-    let first_header = FirstHeader {
-        budget: Duration::from_millis(cfg.timeouts.header_read_ms),
-        max_bytes: cfg.limits.max_header_bytes as usize + 8192,
-        closed: shared.metrics.slow_headers_closed.clone(),
-    };
-    // Every later request of a connection is held to the same header deadline, and the
-    // connection to an idle limit between requests.
+    // A new connection's first header (or TLS handshake) and every later request's header are
+    // held to the same deadline, and a kept-alive connection to an idle limit between requests.
     let limits = ConnLimits {
-        header: first_header.budget,
+        header: Duration::from_millis(cfg.timeouts.header_read_ms),
         keepalive: Duration::from_millis(cfg.timeouts.keepalive_ms),
-        slow_headers: first_header.closed.clone(),
+        first_header_bytes: cfg.limits.max_header_bytes as usize + 8192,
+        slow_headers: shared.metrics.slow_headers_closed.clone(),
     };
     // Listening stops on its own signal: a draining proxy still runs everything else.
     let (accept_stop, accept_rx) = watch::channel(false);
     tasks.push(tokio::spawn(accept_loop(
         listener,
         live_rx.clone(),
-        first_header,
         limits,
         tls,
         accept_rx,
@@ -1040,7 +1035,6 @@ fn tls_acceptor(cfg: &ServeConfig) -> Result<Option<Arc<TlsAcceptor>>, ServeErro
 async fn accept_loop(
     listener: tokio::net::TcpListener,
     live: watch::Receiver<Live>,
-    first_header: FirstHeader,
     limits: ConnLimits,
     tls: Option<Arc<TlsAcceptor>>,
     mut stop: watch::Receiver<bool>,
@@ -1062,12 +1056,7 @@ async fn accept_loop(
         let _ = tcp.set_nodelay(true);
         // The config now serving takes the connection (after a reload, the new one).
         let app = live.borrow().app.clone();
-        let (shutdown, first_header, limits, tls) = (
-            stop.clone(),
-            first_header.clone(),
-            limits.clone(),
-            tls.clone(),
-        );
+        let (shutdown, limits, tls) = (stop.clone(), limits.clone(), tls.clone());
         tokio::spawn(async move {
             use pingora::protocols::{GetSocketDigest, SocketDigest};
             use std::os::fd::AsRawFd;
@@ -1076,7 +1065,7 @@ async fn accept_loop(
             let conn = match &tls {
                 None => {
                     let mut tcp = tcp;
-                    let Some(read) = first_header.read(&mut tcp).await else {
+                    let Some(read) = limits.read_first_header(&mut tcp).await else {
                         return;
                     };
                     ClientConn::plain(tcp, peer, limits, read)
@@ -1087,14 +1076,14 @@ async fn accept_loop(
                     // asked.
                     stream.set_socket_digest(SocketDigest::from_raw_fd(stream.as_raw_fd()));
                     let shake = acceptor.tls_handshake(stream);
-                    match tokio::time::timeout(first_header.budget, shake).await {
+                    match tokio::time::timeout(limits.header, shake).await {
                         Ok(Ok(s)) => ClientConn::new(Box::new(s), limits, true),
                         Ok(Err(e)) => {
                             tracing::debug!("TLS handshake failed: {e}");
                             return;
                         }
                         Err(_) => {
-                            first_header.closed.inc();
+                            limits.slow_headers.inc();
                             return;
                         }
                     }
