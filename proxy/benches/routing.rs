@@ -147,6 +147,13 @@ fn inspection(c: &mut Criterion) {
             b.iter(|| inspect(Endpoint::Chat, std::hint::black_box(&body), &cfg))
         });
     }
+    // The tokenizer alone, on the 32k prompt's text: its share of inspection.
+    let text: String = (0..32_000)
+        .map(|i| headroom_workload::words::spaced_word(i as u64 * 7 + 3))
+        .collect();
+    c.bench_function("tokenize_32k_tokens", |b| {
+        b.iter(|| headroom_workload::Tokenizer.encode(std::hint::black_box(&text)))
+    });
 }
 
 fn metering(c: &mut Criterion) {

@@ -89,95 +89,125 @@ fn is_special(b: &[u8]) -> Option<usize> {
     (i > 2 && i + 1 < b.len() && &b[i..i + 2] == b"|>").then_some(i + 2)
 }
 
-// The rules scan bytes where the text is ASCII (an ASCII byte is its own char, classified by the
-// same `char` methods; note that `char::is_whitespace` counts `\x0b`, which `u8::is_ascii_whitespace`
-// does not) and decode a char only where it is not; the tests hold this to the rules as first
-// written, char by char.
+// The rules scan bytes where the text is ASCII (an ASCII byte is its own char, classified by a
+// table that agrees with the `char` methods; note that `char::is_whitespace` counts `\x0b`, which
+// `u8::is_ascii_whitespace` does not) and decode a char only where it is not; the tests hold this
+// to the rules as first written, char by char. Positions are byte offsets into `text`, always on
+// char boundaries.
 fn for_each_piece<'a>(text: &'a str, mut emit: impl FnMut(&'a str)) {
     let bytes = text.as_bytes();
     let mut pos = 0;
     while pos < bytes.len() {
-        let rest = &text[pos..];
         if let Some(len) = is_special(&bytes[pos..]) {
-            emit(&rest[..len]);
+            emit(&text[pos..pos + len]);
             pos += len;
             continue;
         }
-        let (first, _) = char_at(rest, 0);
-        if first.is_whitespace() {
-            // The whitespace run, then whether the next char starts a word or symbol.
-            let end = whitespace_run(rest);
-            let followed = end < rest.len() && !is_special_start(&bytes[pos + end..]);
-            if followed && rest.as_bytes()[end - 1] == b' ' {
-                if end > 1 {
-                    emit(&rest[..end - 1]);
+        let end = whitespace_end(text, pos);
+        if end > pos {
+            // A whitespace run: does a word or symbol follow it?
+            let followed = end < bytes.len() && is_special(&bytes[end..]).is_none();
+            if followed && bytes[end - 1] == b' ' {
+                if end - 1 > pos {
+                    emit(&text[pos..end - 1]);
                 }
-                pos += end - 1;
-                // The remaining single space is taken by the word/symbol rule below.
-                let len = word_or_symbol(&rest[end - 1..], true);
-                emit(&rest[end - 1..end - 1 + len]);
-                pos += len;
+                // The run's last space is taken by the word/symbol rule.
+                let stop = word_or_symbol_end(text, end);
+                emit(&text[end - 1..stop]);
+                pos = stop;
             } else {
-                emit(&rest[..end]);
-                pos += end;
+                emit(&text[pos..end]);
+                pos = end;
             }
             continue;
         }
-        let len = word_or_symbol(rest, false);
-        emit(&rest[..len]);
-        pos += len;
+        let stop = word_or_symbol_end(text, pos);
+        emit(&text[pos..stop]);
+        pos = stop;
     }
 }
 
-/// The char starting at byte `i` of `s` and its length in bytes (`i` on a char boundary, in range).
-fn char_at(s: &str, i: usize) -> (char, usize) {
-    let b = s.as_bytes()[i];
-    if b.is_ascii() {
-        return (char::from(b), 1);
+/// How the rules see an ASCII byte; any byte from 0x80 up starts or continues a multi-byte char.
+#[derive(Clone, Copy, PartialEq, Eq)]
+enum Class {
+    Space,
+    AlphaNum,
+    Other,
+    NonAscii,
+}
+
+const CLASS: [Class; 256] = {
+    let mut t = [Class::Other; 256];
+    let mut b = 0;
+    while b < 256 {
+        let c = b as u8;
+        t[b] = if c >= 0x80 {
+            Class::NonAscii
+        } else if c == b' ' || (c >= b'\t' && c <= b'\r') {
+            Class::Space
+        } else if c.is_ascii_alphanumeric() {
+            Class::AlphaNum
+        } else {
+            Class::Other
+        };
+        b += 1;
     }
+    t
+};
+
+/// The char starting at byte `i` of `s` (on a boundary, in range) and its length in bytes.
+fn decode_at(s: &str, i: usize) -> (char, usize) {
     let c = s[i..].chars().next().expect("in range, on a boundary");
     (c, c.len_utf8())
 }
 
-/// Byte length of the run of whitespace at the start of `s`.
-fn whitespace_run(s: &str) -> usize {
-    let mut i = 0;
-    while i < s.len() {
-        let (c, n) = char_at(s, i);
-        if !c.is_whitespace() {
-            break;
+/// The end of the run of whitespace starting at byte `pos` (`pos` itself when there is none).
+fn whitespace_end(s: &str, mut pos: usize) -> usize {
+    let bytes = s.as_bytes();
+    while pos < bytes.len() {
+        match CLASS[usize::from(bytes[pos])] {
+            Class::Space => pos += 1,
+            Class::NonAscii => match decode_at(s, pos) {
+                (c, n) if c.is_whitespace() => pos += n,
+                _ => break,
+            },
+            _ => break,
         }
-        i += n;
     }
-    i
+    pos
 }
 
-fn is_special_start(b: &[u8]) -> bool {
-    is_special(b).is_some()
+/// The end of the word or symbol token whose first char (not whitespace) starts at byte `pos`:
+/// one symbol char, or up to [`MAX_WORD_CHARS`] alphanumeric chars.
+fn word_or_symbol_end(s: &str, pos: usize) -> usize {
+    let Some(first) = alphanumeric_len(s, pos) else {
+        return match s.as_bytes().get(pos) {
+            None => s.len(),
+            Some(&b) if b.is_ascii() => pos + 1,
+            Some(_) => pos + decode_at(s, pos).1,
+        };
+    };
+    let mut end = pos + first;
+    for _ in 1..MAX_WORD_CHARS {
+        match alphanumeric_len(s, end) {
+            Some(n) => end += n,
+            None => break,
+        }
+    }
+    end
 }
 
-/// Byte length of the word or symbol token at the start of `s` (which starts with one space when
-/// `leading_space`).
-fn word_or_symbol(s: &str, leading_space: bool) -> usize {
-    let start = usize::from(leading_space);
-    let body = &s[start..];
-    if body.is_empty() {
-        return s.len();
+/// The length in bytes of the char at byte `i` of `s` when it is alphanumeric.
+fn alphanumeric_len(s: &str, i: usize) -> Option<usize> {
+    let &b = s.as_bytes().get(i)?;
+    match CLASS[usize::from(b)] {
+        Class::AlphaNum => Some(1),
+        Class::NonAscii => match decode_at(s, i) {
+            (c, n) if c.is_alphanumeric() => Some(n),
+            _ => None,
+        },
+        _ => None,
     }
-    let (c0, n0) = char_at(body, 0);
-    if !c0.is_alphanumeric() {
-        return start + n0;
-    }
-    let (mut end, mut chars) = (n0, 1);
-    while chars < MAX_WORD_CHARS && end < body.len() {
-        let (c, n) = char_at(body, end);
-        if !c.is_alphanumeric() {
-            break;
-        }
-        end += n;
-        chars += 1;
-    }
-    start + end
 }
 
 #[cfg(test)]
@@ -208,7 +238,7 @@ mod tests {
                         break;
                     }
                 }
-                let followed = end < rest.len() && !is_special_start(&bytes[pos + end..]);
+                let followed = end < rest.len() && is_special(&bytes[pos + end..]).is_none();
                 if followed && rest.as_bytes()[end - 1] == b' ' {
                     if end > 1 {
                         emit(&rest[..end - 1]);
