@@ -43,6 +43,15 @@
 #                                                # share of every request's TTFT (the client's TTFT
 #                                                # less the replica's own on the wire) is reported,
 #                                                # free of the replica's lateness on the load core
+#   STOPS=200:2 scripts/bench-overhead.sh        # a noisy machine, made repeatable: in each proxy
+#                                                # round the proxy (every process) is stopped for
+#                                                # 2 ms (SIGSTOP, then SIGCONT) at seeded Poisson
+#                                                # instants 200 ms apart on average, the same
+#                                                # instants in both proxies' rounds of a round
+#                                                # (scripts/stop_process.py, on the load cores at
+#                                                # real-time priority). STOPS=200:2:occupy takes
+#                                                # the proxies' core instead (PIN=1), walking memory
+#                                                # meanwhile: the caches as another tenant leaves them
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -72,6 +81,15 @@ TTFT_MS=${TTFT_MS:-20}
 MODEL=${MODEL:-fixed}
 case $MODEL in fixed | constant) ;; *) echo "MODEL must be fixed or constant, got $MODEL" >&2; exit 2 ;; esac
 OUT=${OUT:-results/bench-overhead}
+STOPS=${STOPS:-}
+if [ -n "$STOPS" ] && ! [[ $STOPS =~ ^[0-9]+(\.[0-9]+)?:[0-9]+(\.[0-9]+)?(:occupy)?$ ]]; then
+  echo "STOPS must be EVERY_MS:STOP_MS or EVERY_MS:STOP_MS:occupy (e.g. 200:2), got $STOPS" >&2
+  exit 2
+fi
+if [[ $STOPS == *:occupy ]] && [ "${PIN:-0}" != 1 ]; then
+  echo "STOPS=...:occupy takes the proxies' core, so it needs PIN=1" >&2
+  exit 2
+fi
 mkdir -p "$OUT"
 
 if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
@@ -252,6 +270,25 @@ for round in $(seq "$ROUNDS"); do
       pids+=($wiring)
       wait_line "$dir-wire.log" "listening on"
     fi
+    stopping=""
+    rm -f "$dir-stops.json" "$dir/stops.json"
+    if [ -n "$STOPS" ] && [ -n "$watch" ]; then
+      # Seeded by the round: both proxies are stopped at the same instants of their round. The
+      # stopper runs at real-time priority where it can, so its stops last what they are asked
+      # to beside a load generator at a high priority.
+      IFS=: read -r stop_every stop_ms stop_how <<<"$STOPS"
+      stop_rt=()
+      if [ "$stop_how" = occupy ]; then
+        # It sets its own core and priority, and fails clearly if it cannot.
+        stop_on=(--occupy "${SUT_CPUS%%[,-]*}")
+      else
+        stop_on=(--pids "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)")
+        if chrt -f 50 true 2>/dev/null; then stop_rt=(chrt -f 50); fi
+      fi
+      "${wire_on[@]}" "${stop_rt[@]}" python3 scripts/stop_process.py "$DURATION" "${stop_on[@]}" \
+        --every-ms "$stop_every" --stop-ms "$stop_ms" --seed "$round" --json "$dir-stops.json" >/dev/null &
+      stopping=$!
+    fi
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
       --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \
       --out "$dir" >"$dir.txt" 2>"$dir.log" || true
@@ -264,6 +301,7 @@ for round in $(seq "$ROUNDS"); do
     fi
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
     if [ -n "$pausing" ]; then wait "$pausing" || true; mv "$dir-pauses.json" "$dir/pauses.json"; fi
+    if [ -n "$stopping" ]; then wait "$stopping" || true; mv "$dir-stops.json" "$dir/stops.json" 2>/dev/null || true; fi
     if [ -n "$wiring" ]; then
       # The last packets are still in the capture's ring buffer when the replay ends.
       sleep 1
@@ -272,14 +310,22 @@ for round in $(seq "$ROUNDS"); do
       dropped=$(sed -n 's/^\([0-9]*\) packets dropped by kernel.*/\1/p' "$dir/wire.log")
       legs=(--proxy-port "$proxy_port")
       [ -z "$watch" ] && legs=(--direct)
+      every_event=()
+      [ -f "$dir/stops.json" ] && every_event=(--events "$dir/events.csv")
       python3 scripts/wire_latency.py "$dir/wire.pcap" "${legs[@]}" --replica-port "${sim_hostport##*:}" \
         --dropped "${dropped:-0}" --json "$dir/wire.json" --per-request "$dir/wire_requests.csv" \
-        >"$dir/wire.txt" 2>&1 || {
+        "${every_event[@]}" >"$dir/wire.txt" 2>&1 || {
         cat "$dir/wire.txt" >&2
         echo "the capture is kept for a look: $dir/wire.pcap" >&2
         KEEP_PCAP=1
       }
       [ "${KEEP_PCAP:-0}" = 1 ] || rm -f "$dir/wire.pcap"
+      if [ -f "$dir/events.csv" ]; then
+        # STOPS with WIRE=1: the proxy's hold of each event by the time since a stop began.
+        python3 scripts/stop_drain.py "$dir/events.csv" "$dir/stops.json" --json "$dir/drain.json" \
+          >"$dir/drain.txt" 2>&1 || cat "$dir/drain.txt" >&2
+        [ "${KEEP_PCAP:-0}" = 1 ] || rm -f "$dir/events.csv"
+      fi
     fi
     if [ -n "$profiling" ]; then
       kill -INT "$profiling"; wait "$profiling" || true
@@ -616,6 +662,46 @@ if all(prof.values()):
               f"| kernel | {us('headroom', prof['headroom'][1]):.2f} | {us('nginx', prof['nginx'][1]):.2f} |"]
     for k in top:
         lines.append(f"| kernel: {k} (its whole path) | {us('headroom', prof['headroom'][2].get(k, 0)):.2f} | {us('nginx', prof['nginx'][2].get(k, 0)):.2f} |")
+# STOPS: what was injected into each proxy round, and (WIRE=1) how each proxy recovered.
+def per_round(name):
+    """Each proxy's rounds' `name` (JSON), for the proxies that have it."""
+    found = {}
+    for c in ("headroom", "nginx"):
+        for r in range(1, rounds + 1):
+            try:
+                with open(f"{out}/{c}-{r}/{name}") as f:
+                    found.setdefault(c, []).append(json.load(f))
+            except (OSError, ValueError):
+                pass
+    return found
+stops = per_round("stops.json")
+if stops:
+    how = next(iter(stops.values()))[0].get("how", "stop")
+    lines += ["", f"Injected into each proxy round (STOPS, {how}; scripts/stop_process.py, the same seeded",
+              "instants for both proxies), each round: " + "; ".join(
+                  f"{c} " + ", ".join(f"{x['stops']} × {x['stop_ms']:g} ms ({100 * x['stopped_frac']:.2f}% of the time)" for x in v)
+                  for c, v in stops.items())]
+    drains = per_round("drain.json")
+    if len(drains) == 2:
+        # Bins alike in every round (the same window): the median over rounds of each bin's mean.
+        med = lambda xs: statistics.median(xs) if xs else float("nan")
+        bins = drains["headroom"][0]["bins"]
+        lines += ["", "How each proxy recovers from a stop (WIRE=1; scripts/stop_drain.py): the mean hold of the events",
+                  "that came in at each time since a stop began, µs, median over rounds; then the hold away from",
+                  "every stop's window and when the hold was back within 1.5× its mean, each round:", "",
+                  "| ms since the stop began | " + " | ".join(f"{b['from_ms']:g}–{b['to_ms']:g}" for b in bins) + " |",
+                  "|---|" + "---:|" * len(bins)]
+        for c, ds in drains.items():
+            lines.append(f"| {c} | " + " | ".join(
+                f"{med([d['bins'][i]['mean_us'] for d in ds if d['bins'][i]['mean_us'] is not None]):.0f}"
+                for i in range(len(bins))) + " |")
+        lines.append("")
+        for c, ds in drains.items():
+            fmt = lambda v: "-" if v is None else f"{v:.0f}"
+            lines.append(f"- {c}: " + "; ".join(
+                f"away p50 / p99 {fmt(d['away']['p50_us'])} / {fmt(d['away']['p99_us'])} µs, back at "
+                + ("-" if d["recovered_ms"] is None else f"{d['recovered_ms']:g} ms")
+                for d in ds))
 h, n = res["headroom"], res["nginx"]
 ratio = (h["cpu_s"] / max(h["chunks"], 1)) / max(n["cpu_s"] / max(n["chunks"], 1), 1e-12)
 lines += ["", f"headroom CPU per chunk / nginx's: {ratio:.2f}×"]

@@ -1,4 +1,5 @@
 """Tests of wire_latency.py on captures written here, packet by packet, with known send times."""
+import csv
 import json
 import os
 import struct
@@ -125,15 +126,29 @@ class WireLatency(unittest.TestCase):
         p, _, _ = run_direct(cap, "--proxy-port", str(PROXY))
         self.assertNotEqual(p.returncode, 0)
 
-    def test_each_requests_times_are_written_by_its_id(self):
+    def one_stream_writing(self, option):
+        """One stream's capture read with `option FILE`: the summary and FILE's lines."""
         cap = Capture()
         one_stream(cap)
         with tempfile.TemporaryDirectory() as d:
-            rows = os.path.join(d, "rows.csv")
-            p, r = run(cap, "--per-request", rows)
+            path = os.path.join(d, "out.csv")
+            p, r = run(cap, option, path)
             self.assertEqual(p.returncode, 0, p.stderr)
-            with open(rows) as f:
-                self.assertEqual(f.read().splitlines()[1], "r1,140.000,100.000,20150.000")
+            with open(path) as f:
+                return r, f.read().splitlines()
+
+    def test_each_requests_times_are_written_by_its_id(self):
+        _, lines = self.one_stream_writing("--per-request")
+        self.assertEqual(lines[1], "r1,140.000,100.000,20150.000")
+
+    def test_every_event_is_written_in_the_order_it_came_in(self):
+        r, lines = self.one_stream_writing("--events")
+        rows = list(csv.DictReader(lines))
+        self.assertEqual(len(rows), r["event_us"]["n"])
+        self.assertEqual([x["held_us"] for x in rows], ["50.000", "100.000", "200.000"])
+        for x in rows:
+            self.assertAlmostEqual((int(x["out_ns"]) - int(x["in_ns"])) / 1000, float(x["held_us"]), places=3)
+        self.assertEqual({x["request_id"] for x in rows}, {"r1"})
 
     def test_residences_are_read_from_the_packets_that_complete_each_message(self):
         cap = Capture()

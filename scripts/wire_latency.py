@@ -35,6 +35,7 @@ report. Connections whose capture has a gap (a dropped packet) are counted and l
 """
 import argparse
 import bisect
+import csv
 import json
 import math
 import re
@@ -442,6 +443,9 @@ def main():
     ap.add_argument("--replica-port", type=int, required=True)
     ap.add_argument("--dropped", type=int, default=0)
     ap.add_argument("--json")
+    ap.add_argument("--events", metavar="CSV",
+                    help="also write every matched event: when it came in and went out (ns, the capture's "
+                         "clock) and how long the proxy held it (µs)")
     ap.add_argument("--slowest", type=int, default=0, metavar="N",
                     help="also list the N slowest events, with when each came in (s from the capture's start)")
     args = ap.parse_args()
@@ -517,6 +521,12 @@ def main():
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)
     write_per_request(args.per_request, per_request)
+    if args.events:
+        with open(args.events, "w", newline="") as f:
+            out = csv.writer(f)
+            out.writerow(["in_ns", "out_ns", "held_us", "request_id", "event"])
+            for held, t_in, t_out, rid, k in sorted(waits, key=lambda w: w[1]):
+                out.writerow([t_in, t_out, f"{us(held):.3f}", rid, k])
     fmt = lambda s: (f"n {s['n']}, mean {s['mean']:.1f}, p50 {s['p50']:.1f}, p90 {s['p90']:.1f}, p99 {s['p99']:.1f}, "
                      f"p99.9 {s['p999']:.1f}, max {s['max']:.1f} µs") if s["n"] else "none"
     print(f"{packets} packets ({args.dropped} dropped by the kernel, {result['broken_flows']} connection "
