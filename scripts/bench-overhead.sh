@@ -82,8 +82,9 @@ MODEL=${MODEL:-fixed}
 case $MODEL in fixed | constant) ;; *) echo "MODEL must be fixed or constant, got $MODEL" >&2; exit 2 ;; esac
 OUT=${OUT:-results/bench-overhead}
 STOPS=${STOPS:-}
-if [ -n "$STOPS" ] && ! [[ $STOPS =~ ^[0-9]+(\.[0-9]+)?:[0-9]+(\.[0-9]+)?(:occupy)?$ ]]; then
-  echo "STOPS must be EVERY_MS:STOP_MS or EVERY_MS:STOP_MS:occupy (e.g. 200:2), got $STOPS" >&2
+if [ -n "$STOPS" ] && { ! [[ $STOPS =~ ^[0-9]+(\.[0-9]+)?:[0-9]+(\.[0-9]+)?(:occupy)?$ ]] ||
+  ! awk -F: '{ exit !($1 > 0 && $2 > 0) }' <<<"$STOPS"; }; then
+  echo "STOPS must be EVERY_MS:STOP_MS or EVERY_MS:STOP_MS:occupy, both positive (e.g. 200:2), got $STOPS" >&2
   exit 2
 fi
 if [[ $STOPS == *:occupy ]] && [ "${PIN:-0}" != 1 ]; then
@@ -271,7 +272,7 @@ for round in $(seq "$ROUNDS"); do
       wait_line "$dir-wire.log" "listening on"
     fi
     stopping=""
-    rm -f "$dir-stops.json" "$dir/stops.json"
+    rm -f "$dir-stops.json" "$dir/stops.json" "$dir/drain.json" "$dir/drain.txt" "$dir/events.csv"
     if [ -n "$STOPS" ] && [ -n "$watch" ]; then
       # Seeded by the round: both proxies are stopped at the same instants of their round. The
       # stopper runs at real-time priority where it can, so its stops last what they are asked
@@ -288,6 +289,8 @@ for round in $(seq "$ROUNDS"); do
       "${wire_on[@]}" "${stop_rt[@]}" python3 scripts/stop_process.py "$DURATION" "${stop_on[@]}" \
         --every-ms "$stop_every" --stop-ms "$stop_ms" --seed "$round" --json "$dir-stops.json" >/dev/null &
       stopping=$!
+      # Interrupted, the script's cleanup stops the stopper, which lets the proxy go first.
+      pids+=($stopping)
     fi
     "${load_on[@]}" $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --duration "$DURATION" --target "$url" \
       --seed 7 --hardware "headroom sim, $MODEL ${TTFT_MS} ms TTFT / ${ITL_MS} ms ITL; $config" \

@@ -12,9 +12,13 @@ pauses differ from round to round.
   | output            | meaning                                                                   |
   |-------------------|---------------------------------------------------------------------------|
   | bins              | per window of time since a stop began (ms): events, mean and p99 hold µs |
-  | away              | events that came in no stop's window (--window-ms): p50, p99, p99.9 µs    |
-  | recovered_ms      | the first bin after the stops' end whose mean hold is within 1.5× the     |
-  |                   | away mean: when the backlog was drained (null: not within the window)     |
+  | away              | events that came in neither within a stop's window (--window-ms) nor in   |
+  |                   | the 1 ms before a stop began (held through it): p50, p99, p99.9 µs        |
+  | recovered_ms      | the first bin from the stop's asked length on whose mean hold is within   |
+  |                   | 1.5× the away mean: when the backlog was drained (null: not in the window)|
+
+An event belongs to the latest stop that began before it came in, so a stop soon after another
+does not put its own wait into the first one's later bins.
 
 usage: stop_drain.py EVENTS_CSV STOPS_JSON [--window-ms 12] [--json OUT]
 """
@@ -24,29 +28,40 @@ import csv
 import json
 
 EDGES_MS = (0, 0.5, 1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8, 10, 12)
+# An event that came in this long before a stop began may be held through it: neither away nor
+# in the stop's bins.
+BEFORE_MS = 1.0
 
 
 def pct(sorted_xs, q):
     return sorted_xs[int(q * (len(sorted_xs) - 1))] if sorted_xs else None
 
 
-def drain(events, stops, window_ms=12.0):
-    """events: (in_ns, held_us) sorted by in_ns; stops: (began_ns, stopped_ms)."""
+def drain(events, stops, window_ms=12.0, stop_ms=None):
+    """events: (in_ns, held_us) sorted by in_ns; stops: (began_ns, stopped_ms); stop_ms: the
+    length the stops were asked to last (default: the median of their measured lengths, which
+    run a little over)."""
     ins = [t for t, _ in events]
     edges = [e for e in EDGES_MS if e < window_ms] + [window_ms]
     per_bin = [[] for _ in edges[:-1]]
     near = bytearray(len(events))
-    for began, _ in stops:
-        lo = bisect.bisect_left(ins, began)
-        hi = bisect.bisect_left(ins, began + int(window_ms * 1e6))
-        for k in range(lo, hi):
+    starts = sorted(b for b, _ in stops)
+    for j, began in enumerate(starts):
+        # Held through the stop: the events of the millisecond before it.
+        for k in range(bisect.bisect_left(ins, began - int(BEFORE_MS * 1e6)), bisect.bisect_left(ins, began)):
+            near[k] = 1
+        # Its window, up to the next stop's start.
+        end = began + int(window_ms * 1e6)
+        if j + 1 < len(starts):
+            end = min(end, starts[j + 1])
+        for k in range(bisect.bisect_left(ins, began), bisect.bisect_left(ins, end)):
             near[k] = 1
             since = (ins[k] - began) / 1e6
-            i = bisect.bisect_right(edges, since) - 1
-            per_bin[min(i, len(per_bin) - 1)].append(events[k][1])
+            per_bin[bisect.bisect_right(edges, since) - 1].append(events[k][1])
     away = sorted(h for (_, h), n in zip(events, near) if not n)
     away_mean = sum(away) / len(away) if away else None
-    stop_end = max((ms for _, ms in stops), default=0.0)
+    lengths = sorted(ms for _, ms in stops)
+    stop_end = stop_ms if stop_ms is not None else (lengths[len(lengths) // 2] if lengths else 0.0)
     bins, recovered = [], None
     for i, held in enumerate(per_bin):
         held.sort()
@@ -79,7 +94,7 @@ def main():
     stops = [(int(round(t * 1e9)), ms) for t, ms in zip(s["began_unix_s"], s["stopped_ms"])]
     with open(args.events) as f:
         events = sorted((int(r["in_ns"]), float(r["held_us"])) for r in csv.DictReader(f))
-    result = drain(events, stops, args.window_ms)
+    result = drain(events, stops, args.window_ms, s.get("stop_ms"))
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

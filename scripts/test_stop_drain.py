@@ -45,9 +45,28 @@ class Drain(unittest.TestCase):
         self.assertEqual(by_start[3.5]["mean_us"], 40)
         self.assertEqual(r["recovered_ms"], 3.5)
         self.assertEqual((r["away"]["p50_us"], r["away"]["p99_us"]), (40, 40))
-        # Each stop's window is 12 ms: 120 events at one per 100 µs, the rest away.
+        # Each stop's window is 12 ms: 120 events at one per 100 µs; the 10 of the millisecond
+        # before each stop are set aside (held through it); the rest are away.
         self.assertEqual(sum(b["events"] for b in r["bins"]), 4 * 120)
-        self.assertEqual(r["away"]["events"], 10_000 - 4 * 120)
+        self.assertEqual(r["away"]["events"], 10_000 - 4 * 130)
+
+    def test_stops_that_ran_a_little_over_and_one_long_one_do_not_move_the_recovery(self):
+        # Measured lengths run over the asked 2 ms (the stopper's signals); one ran to 3.2 ms.
+        stops_at = [100, 300, 500, 700]
+        # No backlog after them: the proxy is back as each stop ends.
+        events = laid_out(stops_at, drain_ms=0)
+        measured = [(s * MS, ms) for s, ms in zip(stops_at, (2.02, 2.03, 2.01, 3.2))]
+        self.assertEqual(stop_drain.drain(events, measured, stop_ms=2.0)["recovered_ms"], 2.0)
+        # Without the asked length, the median measured one (2.03 ms): the first bin after it.
+        self.assertEqual(stop_drain.drain(events, measured)["recovered_ms"], 2.5)
+
+    def test_a_stop_soon_after_another_keeps_its_wait_to_itself(self):
+        # Stops 6 ms apart: the second one's wait must not show in the first one's 6–8 ms bin.
+        stops_at = [100, 106, 500]
+        r = stop_drain.drain(laid_out(stops_at, drain_ms=1.0), [(s * MS, 2.0) for s in stops_at])
+        by_start = {b["from_ms"]: b for b in r["bins"]}
+        self.assertEqual(by_start[6]["mean_us"], 40)
+        self.assertGreater(by_start[0]["mean_us"], 1500)
 
     def test_a_slower_drain_recovers_later(self):
         stops_at = [100, 400, 700]
@@ -66,7 +85,7 @@ class Drain(unittest.TestCase):
                 for t, held in laid_out(stops_at, 1.0):
                     w.writerow([base + t, base + t + int(held * 1000), f"{held:.3f}", "r", 0])
             with open(stops, "w") as f:
-                json.dump({"stopped_ms": [2.0, 2.0],
+                json.dump({"stop_ms": 2.0, "stopped_ms": [2.02, 2.04],
                            "began_unix_s": [(base + s * MS) / 1e9 for s in stops_at]}, f)
             p = subprocess.run([sys.executable, os.path.join(HERE, "stop_drain.py"), events, stops,
                                 "--json", out], capture_output=True, text=True)
