@@ -195,6 +195,9 @@ engine_ttft() {
 
 # path_of CONFIG: sets `url`, where CONFIG's load goes, and `watch`, the proxy process whose CPU is
 # counted (none for direct).
+# proxy_pids: the measured proxy's processes (nginx: its master and workers), comma-separated.
+proxy_pids() { echo $watch $(pgrep -P "$watch") | tr ' ' ,; }
+
 path_of() {
   case $1 in
     direct) url=$sim; watch="" ;;
@@ -229,13 +232,13 @@ for round in $(seq "$ROUNDS"); do
       # counts all of them; the named ones say which.
       perf stat -x, -o "$dir-syscalls.csv" -e raw_syscalls:sys_enter,page-faults,context-switches \
         -e "$(printf 'syscalls:sys_enter_%s,' $counted_syscalls | sed 's/,$//')" \
-        -p "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)" 2>/dev/null &
+        -p "$(proxy_pids)" 2>/dev/null &
       counting=$!
       sleep 0.5
     fi
     profiling=""
     if [ "${PROFILE:-0}" = 1 ] && [ -n "$watch" ]; then
-      perf record -q -g -F 999 -o "$dir-perf.data" -p "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)" \
+      perf record -q -g -F 999 -o "$dir-perf.data" -p "$(proxy_pids)" \
         >/dev/null 2>&1 &
       profiling=$!
       sleep 0.5
@@ -283,7 +286,7 @@ for round in $(seq "$ROUNDS"); do
         # It sets its own core and priority, and fails clearly if it cannot.
         stop_on=(--occupy "${SUT_CPUS%%[,-]*}")
       else
-        stop_on=(--pids "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)")
+        stop_on=(--pids "$(proxy_pids)")
         if chrt -f 50 true 2>/dev/null; then stop_rt=(chrt -f 50); fi
       fi
       "${wire_on[@]}" "${stop_rt[@]}" python3 scripts/stop_process.py "$DURATION" "${stop_on[@]}" \
@@ -299,7 +302,7 @@ for round in $(seq "$ROUNDS"); do
     if [ -n "$scheduling" ]; then
       kill -INT "$scheduling"; wait "$scheduling" || true
       mv "$dir-sched.data" "$dir/sched.data"
-      python3 scripts/sched_preemptions.py "$dir/sched.data" --pids "$(echo $watch $(pgrep -P "$watch") | tr ' ' ,)" \
+      python3 scripts/sched_preemptions.py "$dir/sched.data" --pids "$(proxy_pids)" \
         --json "$dir/sched.json" >"$dir/sched.txt" 2>&1 || cat "$dir/sched.txt" >&2
     fi
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
@@ -666,25 +669,14 @@ if all(prof.values()):
     for k in top:
         lines.append(f"| kernel: {k} (its whole path) | {us('headroom', prof['headroom'][2].get(k, 0)):.2f} | {us('nginx', prof['nginx'][2].get(k, 0)):.2f} |")
 # STOPS: what was injected into each proxy round, and (WIRE=1) how each proxy recovered.
-def per_round(name):
-    """Each proxy's rounds' `name` (JSON), for the proxies that have it."""
-    found = {}
-    for c in ("headroom", "nginx"):
-        for r in range(1, rounds + 1):
-            try:
-                with open(f"{out}/{c}-{r}/{name}") as f:
-                    found.setdefault(c, []).append(json.load(f))
-            except (OSError, ValueError):
-                pass
-    return found
-stops = per_round("stops.json")
+stops = {c: [x for _, x in rows] for c, rows in per_round("stops.json").items()}
 if stops:
     how = next(iter(stops.values()))[0].get("how", "stop")
     lines += ["", f"Injected into each proxy round (STOPS, {how}; scripts/stop_process.py, the same seeded",
               "instants for both proxies), each round: " + "; ".join(
                   f"{c} " + ", ".join(f"{x['stops']} × {x['stop_ms']:g} ms ({100 * x['stopped_frac']:.2f}% of the time)" for x in v)
                   for c, v in stops.items())]
-    drains = per_round("drain.json")
+    drains = {c: [d for _, d in rows] for c, rows in per_round("drain.json").items()}
     if len(drains) == 2:
         # Bins alike in every round (the same window): the median over rounds of each bin's mean.
         med = lambda xs: statistics.median(xs) if xs else float("nan")
