@@ -540,6 +540,10 @@ fn stream_response(state: StreamState) -> Response {
         // Both faults act before the next token, not with the last one sent: while this waits,
         // the server flushes the tokens before it, so the client has exactly N of them.
         if st.cut_next {
+            // The server writes what the body yields until the body is pending, and only then
+            // flushes; a next token already waiting would bring the cut into the same write and
+            // lose the head and the N tokens with it. Pending once first, so they go out.
+            tokio::task::yield_now().await;
             let _ = st.sub.outputs.recv().await;
             st.done = true;
             return Some((Err(std::io::Error::other("fault: connection dropped")), st));

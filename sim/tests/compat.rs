@@ -853,3 +853,38 @@ async fn fixed_model_times_every_request_on_its_own_clock() {
     // A client that goes away is aborted (the cancellation wakes the engine).
     disconnect_is_aborted(&r).await;
 }
+
+#[tokio::test]
+async fn a_dropped_stream_delivers_its_tokens_before_the_cut_even_when_the_next_is_ready() {
+    // Steps of no time: every token is ready before the stream asks for it, so the cut must not
+    // come in the same write as the tokens before it.
+    let r = replica(&[
+        "--latency-model",
+        "constant",
+        "--time-to-first-token",
+        "0",
+        "--inter-token-latency",
+        "0",
+    ])
+    .await;
+    for _ in 0..20 {
+        let mut resp = client()
+            .post(format!("{}/v1/completions", r.url()))
+            .header("x-headroom-fault", "drop-after=2")
+            .json(&json!({"prompt": "hi", "max_tokens": 10, "stream": true, "ignore_eos": true}))
+            .send()
+            .await
+            .unwrap();
+        let mut got = Vec::new();
+        let cut = loop {
+            match resp.chunk().await {
+                Ok(Some(c)) => got.extend_from_slice(&c),
+                Ok(None) => break false,
+                Err(_) => break true,
+            }
+        };
+        let got = String::from_utf8(got).unwrap();
+        assert!(cut, "the stream is cut, not finished: {got}");
+        assert_eq!(got.matches("\"text\":").count(), 2, "{got}");
+    }
+}
