@@ -52,6 +52,14 @@
 #                                                # real-time priority). STOPS=200:2:occupy takes
 #                                                # the proxies' core instead (PIN=1), walking memory
 #                                                # meanwhile: the caches as another tenant leaves them
+#   QUIET=0.3 PIN=1 scripts/bench-overhead.sh    # a shared machine's quiet moments: each path of
+#                                                # each round starts only once a QUIET_PROBE-second
+#                                                # (10) probe of the proxies' core finds the machine
+#                                                # taking at most 0.3% of it (scripts/quiet_gate.py),
+#                                                # waiting up to QUIET_WAIT s (900) before it goes
+#                                                # ahead regardless; the summary says what each path
+#                                                # waited, and which went ahead noisy (MIX=1's mixed
+#                                                # rounds are not gated)
 #   LONG_EVERY=25 scripts/bench-overhead.sh      # every 25th request a LONG_TOKENS-token (100,000)
 #                                                # prompt with a 1-token answer; TTFT split short/long
 #   SERVE_BIN=/tmp/headroom-b scripts/bench-overhead.sh    # another build as the proxy (an A/B of
@@ -90,6 +98,20 @@ fi
 if [[ $STOPS == *:occupy ]] && [ "${PIN:-0}" != 1 ]; then
   echo "STOPS=...:occupy takes the proxies' core, so it needs PIN=1" >&2
   exit 2
+fi
+QUIET=${QUIET:-}
+QUIET_PROBE=${QUIET_PROBE:-10}
+QUIET_WAIT=${QUIET_WAIT:-900}
+if [ -n "$QUIET" ]; then
+  if [ "${PIN:-0}" != 1 ]; then
+    echo "QUIET=$QUIET probes the proxies' core, so it needs PIN=1" >&2
+    exit 2
+  fi
+  if ! awk -v q="$QUIET" -v p="$QUIET_PROBE" -v w="$QUIET_WAIT" \
+    'BEGIN { exit !(q ~ /^[0-9]+(\.[0-9]+)?$/ && p ~ /^[0-9]+(\.[0-9]+)?$/ && p > 0 && w ~ /^[0-9]+(\.[0-9]+)?$/) }'; then
+    echo "QUIET must be a percentage (e.g. 0.3), QUIET_PROBE positive seconds and QUIET_WAIT seconds; got $QUIET, $QUIET_PROBE, $QUIET_WAIT" >&2
+    exit 2
+  fi
 fi
 mkdir -p "$OUT"
 
@@ -223,6 +245,15 @@ for round in $(seq "$ROUNDS"); do
   for config in direct headroom nginx; do
     path_of "$config"
     dir="$OUT/$config-$round"
+    rm -f "$dir/quiet.json" "$dir-quiet.json"
+    if [ -n "$QUIET" ]; then
+      echo "== round $round: $config waits until the machine leaves CPU $SUT_CPUS alone (at most $QUIET% taken)" >&2
+      # 3: it gave up waiting, and the round goes ahead (the summary says so); anything else is an error.
+      gate=0
+      python3 scripts/quiet_gate.py --cpus "$SUT_CPUS" --below "$QUIET" --probe "$QUIET_PROBE" \
+        --wait "$QUIET_WAIT" --json "$dir-quiet.json" || gate=$?
+      [ "$gate" = 0 ] || [ "$gate" = 3 ] || exit "$gate"
+    fi
     before=$([ -n "$watch" ] && cpu_split_of "$watch" || echo 0 0)
     engine_before=$(engine_ttft)
     echo "== round $round: $config ($url)" >&2
@@ -307,6 +338,7 @@ for round in $(seq "$ROUNDS"); do
     fi
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
     if [ -n "$pausing" ]; then wait "$pausing" || true; mv "$dir-pauses.json" "$dir/pauses.json"; fi
+    if [ -f "$dir-quiet.json" ]; then mv "$dir-quiet.json" "$dir/quiet.json"; fi
     if [ -n "$stopping" ]; then wait "$stopping" || true; mv "$dir-stops.json" "$dir/stops.json" 2>/dev/null || true; fi
     if [ -n "$wiring" ]; then
       # The last packets are still in the capture's ring buffer when the replay ends.
@@ -453,10 +485,10 @@ for r in range(1, rounds + 1):
 if gaps:
     lines += ["", "|client TTFT - headroom's own TTFT (from its capture)| per request, each round:", ""]
     lines += [f"- round {i}: {g.split(': ', 1)[-1]}" for i, g in enumerate(gaps, 1)]
-def per_round(name):
-    """{proxy: [(round, the JSON its round wrote as `name`)]}, of the rounds that wrote one."""
+def per_round(name, paths=("headroom", "nginx")):
+    """{path: [(round, the JSON its round wrote as `name`)]}, of the rounds that wrote one."""
     found = {}
-    for c in ("headroom", "nginx"):
+    for c in paths:
         for r in range(1, rounds + 1):
             try:
                 data = json.load(open(f"{out}/{c}-{r}/{name}"))
@@ -668,6 +700,18 @@ if all(prof.values()):
               f"| kernel | {us('headroom', prof['headroom'][1]):.2f} | {us('nginx', prof['nginx'][1]):.2f} |"]
     for k in top:
         lines.append(f"| kernel: {k} (its whole path) | {us('headroom', prof['headroom'][2].get(k, 0)):.2f} | {us('nginx', prof['nginx'][2].get(k, 0)):.2f} |")
+# QUIET: what each path of each round waited for the machine to leave the proxies' core alone.
+quiet = per_round("quiet.json", ("direct", "headroom", "nginx"))
+if quiet:
+    q = next(iter(quiet.values()))[0][1]
+    lines += ["", f"Quiet gate (QUIET={q['below_pct']:g}; scripts/quiet_gate.py): each path of each round started once a "
+              f"{q['probe_s']:g} s probe of the proxies' core",
+              f"found the machine taking at most {q['below_pct']:g}% of it, or after {q['wait_s']:g} s regardless. "
+              "The wait and the last probe, each round:", ""]
+    for c, rows in quiet.items():
+        lines.append(f"- {c}: " + "; ".join(
+            f"{x['waited_s']:.0f} s, {x['lost_pct'][-1]:.2f}%" + ("" if x["passed"] else " (went ahead noisy)")
+            for _, x in rows))
 # STOPS: what was injected into each proxy round, and (WIRE=1) how each proxy recovered.
 stops = {c: [x for _, x in rows] for c, rows in per_round("stops.json").items()}
 if stops:
