@@ -338,7 +338,8 @@ for round in $(seq "$ROUNDS"); do
     fi
     if [ -n "$counting" ]; then kill -INT "$counting"; wait "$counting" || true; mv "$dir-syscalls.csv" "$dir/syscalls.csv"; fi
     if [ -n "$pausing" ]; then wait "$pausing" || true; mv "$dir-pauses.json" "$dir/pauses.json"; fi
-    if [ -f "$dir-quiet.json" ]; then mv "$dir-quiet.json" "$dir/quiet.json"; fi
+    # The replay makes its directory when it ends; one that failed early made none.
+    if [ -f "$dir-quiet.json" ]; then mkdir -p "$dir" && mv "$dir-quiet.json" "$dir/quiet.json"; fi
     if [ -n "$stopping" ]; then wait "$stopping" || true; mv "$dir-stops.json" "$dir/stops.json" 2>/dev/null || true; fi
     if [ -n "$wiring" ]; then
       # The last packets are still in the capture's ring buffer when the replay ends.
@@ -710,8 +711,8 @@ if quiet:
               "The wait and the last probe, each round:", ""]
     for c, rows in quiet.items():
         lines.append(f"- {c}: " + "; ".join(
-            f"{x['waited_s']:.0f} s, {x['lost_pct'][-1]:.2f}%" + ("" if x["passed"] else " (went ahead noisy)")
-            for _, x in rows))
+            f"round {r} {x['waited_s']:.0f} s, {x['lost_pct'][-1]:.2f}%" + ("" if x["passed"] else " (went ahead noisy)")
+            for r, x in rows))
 # STOPS: what was injected into each proxy round, and (WIRE=1) how each proxy recovered.
 stops = {c: [x for _, x in rows] for c, rows in per_round("stops.json").items()}
 if stops:

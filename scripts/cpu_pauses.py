@@ -20,28 +20,6 @@ import json
 import time
 
 
-def measure(seconds, min_us=50.0):
-    """Spins for SECONDS on the calling thread's core; the pauses it saw (the table above)."""
-    floor = int(min_us * 1000)
-    clock = time.perf_counter_ns
-    start = last = clock()
-    end = start + int(seconds * 1e9)
-    gaps = []
-    while last < end:
-        now = clock()
-        if now - last > floor:
-            gaps.append(now - last)
-        last = now
-    total = last - start
-    gaps.sort()
-    return {
-        "seconds": total / 1e9, "min_us": min_us, "pauses": len(gaps),
-        "over_500us": sum(g > 500_000 for g in gaps), "over_1ms": sum(g > 1_000_000 for g in gaps),
-        "lost_fraction": sum(gaps) / total, "max_ms": gaps[-1] / 1e6 if gaps else 0.0,
-        "longest_ms": [g / 1e6 for g in gaps[-10:][::-1]],
-    }
-
-
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("seconds", type=float)
@@ -50,7 +28,24 @@ def main():
     args = ap.parse_args()
     if args.seconds <= 0:
         ap.error("SECONDS must be positive")
-    result = measure(args.seconds, args.min_us)
+    floor = int(args.min_us * 1000)
+    clock = time.perf_counter_ns
+    start = last = clock()
+    end = start + int(args.seconds * 1e9)
+    gaps = []
+    while last < end:
+        now = clock()
+        if now - last > floor:
+            gaps.append(now - last)
+        last = now
+    total = last - start
+    gaps.sort()
+    result = {
+        "seconds": total / 1e9, "min_us": args.min_us, "pauses": len(gaps),
+        "over_500us": sum(g > 500_000 for g in gaps), "over_1ms": sum(g > 1_000_000 for g in gaps),
+        "lost_fraction": sum(gaps) / total, "max_ms": gaps[-1] / 1e6 if gaps else 0.0,
+        "longest_ms": [g / 1e6 for g in gaps[-10:][::-1]],
+    }
     if args.json:
         with open(args.json, "w") as f:
             json.dump(result, f, indent=1)

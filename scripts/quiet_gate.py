@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Waits until the machine leaves the given cores alone: a benchmark's gate on a shared machine.
 
-Every probe spins for --probe seconds on each of --cpus at once (cpu_pauses.py's measure) and
+Every probe spins for --probe seconds on each of --cpus at once (cpu_pauses.py, one per core) and
 reads the share of the probe the machine took from each core in pauses over 50 µs (the
 hypervisor, interrupts, kernel threads). The gate opens when every core lost at most --below
 percent in one probe. After --wait seconds it stops waiting and says so: the caller goes on, and
@@ -19,7 +19,7 @@ core was gone (1% of the events held through pauses), a single long pause moves 
   | last          | the last probe, per core (cpu_pauses.py's fields)                    |
 
 usage: quiet_gate.py --cpus LIST --below PCT [--probe 10] [--wait 900] [--json OUT]
-exit status: 0 the gate opened, 3 it gave up waiting, 2 bad arguments
+exit status: 0 the gate opened, 3 it gave up waiting, 2 bad arguments or a probe that failed
 """
 import argparse
 import json
@@ -54,29 +54,38 @@ def probe(cpus, seconds):
     """One probe of every core at once: cpu_pauses.py's result for each, by core."""
     with tempfile.TemporaryDirectory() as d:
         running = []
-        for cpu in cpus:
-            out = os.path.join(d, f"{cpu}.json")
-            child = subprocess.Popen(
-                [sys.executable, os.path.join(HERE, "cpu_pauses.py"), str(seconds), "--json", out],
-                stdout=subprocess.DEVNULL, preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, {cpu}))
-            running.append((cpu, out, child))
-        results = {}
-        for cpu, out, child in running:
-            if child.wait() != 0:
-                raise RuntimeError(f"the probe of CPU {cpu} failed (status {child.returncode})")
-            with open(out) as f:
-                results[cpu] = json.load(f)
-        return results
+        try:
+            for cpu in cpus:
+                out = os.path.join(d, f"{cpu}.json")
+                child = subprocess.Popen(
+                    [sys.executable, os.path.join(HERE, "cpu_pauses.py"), str(seconds), "--json", out],
+                    stdout=subprocess.DEVNULL,
+                    preexec_fn=lambda cpu=cpu: os.sched_setaffinity(0, {cpu}))
+                running.append((cpu, out, child))
+            results = {}
+            for cpu, out, child in running:
+                if child.wait() != 0:
+                    raise RuntimeError(f"the probe of CPU {cpu} failed (status {child.returncode})")
+                with open(out) as f:
+                    results[cpu] = json.load(f)
+            return results
+        finally:
+            # A probe that failed leaves none of the others spinning on the cores it watched.
+            for _, _, child in running:
+                if child.poll() is None:
+                    child.kill()
+                    child.wait()
 
 
-def wait_quiet(cpus, below_pct, probe_s, wait_s, on_probe=None, probe_with=probe):
+def wait_quiet(cpus, below_pct, probe_s, wait_s, on_probe=None, probe_with=None):
     """Probes until one finds every core at most below_pct taken, or wait_s has passed."""
+    probe_with = probe_with or probe
     began = time.monotonic()
     history = []
     while True:
         last = probe_with(cpus, probe_s)
         worst = max(100 * r["lost_fraction"] for r in last.values())
-        history.append(round(worst, 3))
+        history.append(worst)
         waited = time.monotonic() - began
         passed = worst <= below_pct
         if on_probe:
@@ -111,7 +120,7 @@ def main():
 
     try:
         result = wait_quiet(cpus, args.below, args.probe, args.wait, on_probe=say)
-    except (OSError, RuntimeError, subprocess.SubprocessError) as e:
+    except (OSError, ValueError, RuntimeError, subprocess.SubprocessError) as e:
         print(f"quiet_gate: cannot probe CPU {args.cpus}: {e}", file=sys.stderr)
         return 2
     if args.json:
