@@ -44,8 +44,9 @@ pub struct Headroom {
     pub passthrough: LeastLoad,
     /// Metrics.
     pub metrics: Arc<Metrics>,
-    /// Pooled upstream connections to replicas reached over TLS.
-    pub connector: Connector,
+    /// Pooled upstream connections to replicas reached over TLS; none when the config names no
+    /// `https://` replica (building pingora's connector parses the system's CA bundle twice).
+    pub connector: Option<Connector>,
     /// Pooled upstream connections to plaintext replicas.
     pub h1_pool: Arc<crate::upstreams::h1::Pool>,
     /// The config it was built from.

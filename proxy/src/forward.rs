@@ -1154,8 +1154,14 @@ impl Headroom {
         // pingora skips verification without one).
         let mut peer = HttpPeer::new(addr, true, host.to_owned());
         peer.options.connection_timeout = Some(Duration::from_millis(t.connect_ms));
-        let (mut up, _reused) = self
-            .connector
+        // Built whenever the config names a replica reached over TLS, as this one is.
+        let connector = self.connector.as_ref().ok_or_else(|| {
+            ProxyError::new(
+                ErrorKind::UpstreamConnect,
+                "connect: no TLS connector for this config",
+            )
+        })?;
+        let (mut up, _reused) = connector
             .get_http_session(&peer)
             .await
             .map_err(|e| classify(&e, "connect"))?;
@@ -1337,9 +1343,11 @@ impl Headroom {
         match up {
             Upstream::Plain(body) => body.release(&self.h1_pool, pool_idle),
             Upstream::Pingora { session, peer } => {
-                self.connector
-                    .release_http_session(*session, &*peer, Some(pool_idle))
-                    .await;
+                if let Some(connector) = &self.connector {
+                    connector
+                        .release_http_session(*session, &*peer, Some(pool_idle))
+                        .await;
+                }
             }
         }
         Ended::Complete
