@@ -57,6 +57,20 @@ async fn events(resp: reqwest::Response) -> Vec<String> {
 
 /// A streamed request whose client goes away after its first chunk ends as an abort in the
 /// engine, which then runs nothing.
+/// Reads a streamed body to its end: the bytes, and whether it was cut (a read error) rather
+/// than finished.
+async fn read_to_end(mut resp: reqwest::Response) -> (String, bool) {
+    let mut got = Vec::new();
+    let cut = loop {
+        match resp.chunk().await {
+            Ok(Some(c)) => got.extend_from_slice(&c),
+            Ok(None) => break false,
+            Err(_) => break true,
+        }
+    };
+    (String::from_utf8(got).unwrap(), cut)
+}
+
 async fn disconnect_is_aborted(r: &RunningReplica) {
     let mut resp = post(
         r,
@@ -744,15 +758,7 @@ async fn faults_drop_stall_error_and_cold_start() {
         .unwrap();
     assert_eq!(resp.status(), 200);
     // Exactly two tokens reach the client, then the cut (no [DONE]).
-    let (mut got, mut resp) = (Vec::new(), resp);
-    let cut = loop {
-        match resp.chunk().await {
-            Ok(Some(c)) => got.extend_from_slice(&c),
-            Ok(None) => break false,
-            Err(_) => break true,
-        }
-    };
-    let got = String::from_utf8(got).unwrap();
+    let (got, cut) = read_to_end(resp).await;
     assert!(cut, "the stream is cut, not finished: {got}");
     assert_eq!(got.matches("\"text\":").count(), 2, "{got}");
     assert!(!got.contains("[DONE]"), "{got}");
@@ -868,22 +874,14 @@ async fn a_dropped_stream_delivers_its_tokens_before_the_cut_even_when_the_next_
     ])
     .await;
     for _ in 0..20 {
-        let mut resp = client()
+        let resp = client()
             .post(format!("{}/v1/completions", r.url()))
             .header("x-headroom-fault", "drop-after=2")
             .json(&json!({"prompt": "hi", "max_tokens": 10, "stream": true, "ignore_eos": true}))
             .send()
             .await
             .unwrap();
-        let mut got = Vec::new();
-        let cut = loop {
-            match resp.chunk().await {
-                Ok(Some(c)) => got.extend_from_slice(&c),
-                Ok(None) => break false,
-                Err(_) => break true,
-            }
-        };
-        let got = String::from_utf8(got).unwrap();
+        let (got, cut) = read_to_end(resp).await;
         assert!(cut, "the stream is cut, not finished: {got}");
         assert_eq!(got.matches("\"text\":").count(), 2, "{got}");
     }
