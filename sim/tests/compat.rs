@@ -57,6 +57,23 @@ async fn events(resp: reqwest::Response) -> Vec<String> {
 
 /// A streamed request whose client goes away after its first chunk ends as an abort in the
 /// engine, which then runs nothing.
+/// A streamed completion of `max_tokens` tokens (`ignore_eos`) asked with the fault `fault`.
+async fn streamed_with_fault(
+    r: &RunningReplica,
+    fault: &str,
+    max_tokens: u32,
+) -> reqwest::Response {
+    client()
+        .post(format!("{}/v1/completions", r.url()))
+        .header("x-headroom-fault", fault)
+        .json(
+            &json!({"prompt": "hi", "max_tokens": max_tokens, "stream": true, "ignore_eos": true}),
+        )
+        .send()
+        .await
+        .unwrap()
+}
+
 /// Reads a streamed body to its end: the bytes, and whether it was cut (a read error) rather
 /// than finished.
 async fn read_to_end(mut resp: reqwest::Response) -> (String, bool) {
@@ -749,13 +766,7 @@ async fn faults_drop_stall_error_and_cold_start() {
     );
 
     let r = replica(&[]).await;
-    let resp = client()
-        .post(format!("{}/v1/completions", r.url()))
-        .header("x-headroom-fault", "drop-after=2")
-        .json(&json!({"prompt": "hi", "max_tokens": 10, "stream": true, "ignore_eos": true}))
-        .send()
-        .await
-        .unwrap();
+    let resp = streamed_with_fault(&r, "drop-after=2", 10).await;
     assert_eq!(resp.status(), 200);
     // Exactly two tokens reach the client, then the cut (no [DONE]).
     let (got, cut) = read_to_end(resp).await;
@@ -764,13 +775,7 @@ async fn faults_drop_stall_error_and_cold_start() {
     assert!(!got.contains("[DONE]"), "{got}");
 
     // Two tokens, then the stall: the third waits for it.
-    let mut resp = client()
-        .post(format!("{}/v1/completions", r.url()))
-        .header("x-headroom-fault", "stall-after=2,stall-ms=3000")
-        .json(&json!({"prompt": "hi", "max_tokens": 5, "stream": true, "ignore_eos": true}))
-        .send()
-        .await
-        .unwrap();
+    let mut resp = streamed_with_fault(&r, "stall-after=2,stall-ms=3000", 5).await;
     let mut got = Vec::new();
     while let Ok(Some(c)) = tokio::time::timeout(Duration::from_millis(1000), resp.chunk())
         .await
@@ -874,14 +879,7 @@ async fn a_dropped_stream_delivers_its_tokens_before_the_cut_even_when_the_next_
     ])
     .await;
     for _ in 0..20 {
-        let resp = client()
-            .post(format!("{}/v1/completions", r.url()))
-            .header("x-headroom-fault", "drop-after=2")
-            .json(&json!({"prompt": "hi", "max_tokens": 10, "stream": true, "ignore_eos": true}))
-            .send()
-            .await
-            .unwrap();
-        let (got, cut) = read_to_end(resp).await;
+        let (got, cut) = read_to_end(streamed_with_fault(&r, "drop-after=2", 10).await).await;
         assert!(cut, "the stream is cut, not finished: {got}");
         assert_eq!(got.matches("\"text\":").count(), 2, "{got}");
     }
