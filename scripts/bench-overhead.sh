@@ -153,7 +153,7 @@ source scripts/bench-common.sh
 wire_on=()
 [ "$PIN" = 1 ] && wire_on=(taskset -c "$LOAD_CPUS")
 
-counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
+counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close fcntl setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
 if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
   echo "SYSCALLS=1 needs perf with access to the syscall tracepoints (linux-perf; run as root)" >&2
   exit 2

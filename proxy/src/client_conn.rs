@@ -21,8 +21,8 @@
 //! the connection: the chunk costs one `writev` and no pass through pingora's body writer.
 
 use std::pin::Pin;
-use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicU8, Ordering};
+use std::sync::{Arc, OnceLock};
 use std::task::{Context, Poll};
 use std::time::{Duration, SystemTime};
 
@@ -149,6 +149,8 @@ pub struct ClientConn {
     aborted: AtomicBool,
     phase: Phase,
     limits: ConnLimits,
+    /// The relay's handle, once a stream has needed one ([`ClientConn::relay_handle`]).
+    relay: OnceLock<Arc<RelayClient>>,
 }
 
 /// What a client connection reads and writes through.
@@ -201,6 +203,7 @@ impl ClientConn {
             aborted: AtomicBool::new(false),
             phase,
             limits,
+            relay: OnceLock::new(),
         }
     }
 
@@ -231,6 +234,7 @@ impl ClientConn {
             aborted: AtomicBool::new(false),
             phase: Phase::Off,
             limits,
+            relay: OnceLock::new(),
         }
     }
 
@@ -252,16 +256,27 @@ impl ClientConn {
     /// the runtime on its own), for a relay that runs as a task of its own while the request's
     /// task waits for it; `None` for any other connection. The connection stays this one's:
     /// dropping the handle leaves it open.
-    pub fn relay_handle(&self) -> Option<std::io::Result<RelayClient>> {
+    ///
+    /// Made at the connection's first relayed stream and kept for the later ones: a kept-alive
+    /// connection's requests share it, so a stream costs no duplicate, no registration and no
+    /// close (four system calls on the proxy's core per request).
+    pub fn relay_handle(&self) -> Option<std::io::Result<Arc<RelayClient>>> {
         use std::os::fd::AsFd;
         let Inner::Plain(plain) = &self.inner else {
             return None;
         };
+        if let Some(relay) = self.relay.get() {
+            return Some(Ok(relay.clone()));
+        }
         Some((|| {
             let fd = plain.tcp.as_fd().try_clone_to_owned()?;
             // The duplicate shares the socket's open file, non-blocking already.
             let tcp = tokio::net::TcpStream::from_std(std::net::TcpStream::from(fd))?;
-            Ok(RelayClient { tcp })
+            // Only the request's own task asks, one request at a time: the slot is empty here.
+            Ok(self
+                .relay
+                .get_or_init(|| Arc::new(RelayClient { tcp }))
+                .clone())
         })())
     }
 
@@ -777,8 +792,11 @@ mod tests {
                 .expect("the watch sees the client's end"),
             "a client that closed has gone"
         );
+        // The connection's later streams get the same handle, not another descriptor.
+        let again = conn.relay_handle().expect("plaintext").expect("kept");
+        assert!(Arc::ptr_eq(&relay, &again), "one handle per connection");
         // The handle is a second one: dropping it leaves the connection to the first.
-        drop(relay);
+        drop((relay, again));
         let mut conn = conn;
         conn.write_all(b"0\r\n\r\n")
             .await

@@ -560,7 +560,7 @@ async fn pump_in_own_task(
     mut up: Upstream,
     mut meter: ResponseMeter,
     mut guard: InFlight,
-    client: RelayClient,
+    client: std::sync::Arc<RelayClient>,
     limits: PumpLimits,
 ) -> Option<PumpedBack> {
     let task = tokio::task::spawn(async move {
