@@ -55,8 +55,6 @@ async fn events(resp: reqwest::Response) -> Vec<String> {
         .collect()
 }
 
-/// A streamed request whose client goes away after its first chunk ends as an abort in the
-/// engine, which then runs nothing.
 /// A streamed completion of `max_tokens` tokens (`ignore_eos`) asked with the fault `fault`.
 async fn streamed_with_fault(
     r: &RunningReplica,
@@ -88,6 +86,8 @@ async fn read_to_end(mut resp: reqwest::Response) -> (String, bool) {
     (String::from_utf8(got).unwrap(), cut)
 }
 
+/// A streamed request whose client goes away after its first chunk ends as an abort in the
+/// engine, which then runs nothing.
 async fn disconnect_is_aborted(r: &RunningReplica) {
     let mut resp = post(
         r,
