@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test setup check check-deploy bench guidellm
+.PHONY: demo test setup check check-deploy bench guidellm pgo
 
 ## Install system packages a fresh Debian/Ubuntu machine lacks (cmake and a C toolchain build
 ## pingora's dependencies; python3 runs the benchmark scripts and their tests). Skipped when
@@ -52,6 +52,11 @@ check-deploy: setup
 	  $(DEPLOY_VENV)/bin/pip install -q kubernetes-validate==1.37.0 pyyaml
 	$(CARGO) build --locked --bin headroom
 	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom target/debug/headroom
+
+## The proxy built with profile-guided optimisation, trained on simulated replicas
+## (target/pgo/headroom; see docs/deployment.md).
+pgo: setup
+	scripts/build-pgo.sh
 
 ## Benchmarks recorded in docs/benchmarks.md.
 bench: setup

@@ -4,7 +4,11 @@
 # callgrind slows the proxy ~50×, so keep RATE low). Counts are repeatable for the same binary and
 # inputs whatever else the machine does, so two builds compare exactly. Prints, per relayed event,
 # the run's total and the worker's largest parts, inclusive; the whole profile is left for
-# callgrind_annotate.
+# callgrind_annotate. Counters are zeroed once each proxy is up, so totals are the traffic's (and
+# the idle work's meanwhile), without start-up. Read the profile inclusively
+# (callgrind_annotate --inclusive=yes): after the zeroing, callgrind books to the frames that were
+# already running (the threads' outermost) as their own what their callees ran, so those frames'
+# self counts are not what they ran themselves.
 #
 #   scripts/profile-proxy.sh                   # N=100 RATE=5 TOKENS=100
 #   SERVE_BIN=/tmp/headroom-b scripts/profile-proxy.sh   # another build as the proxy
@@ -89,6 +93,8 @@ if [ "$NGINX" = 1 ]; then
     python3 -c "import socket; socket.create_connection(('127.0.0.1', $ngx_port), 0.2)" 2>/dev/null && break
     sleep 0.1
   done
+  # Start-up is not the traffic: counts from here on only.
+  callgrind_control -z "$ngx_pid" >/dev/null 2>&1
   $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "http://127.0.0.1:$ngx_port" --seed 7 \
     --out "$OUT/replay-nginx" >"$OUT/replay-nginx.txt" 2>"$OUT/replay-nginx.log"
   kill -QUIT "$ngx_pid"
@@ -104,6 +110,8 @@ pids+=($proxy_pid)
 # Start-up under callgrind is slow (seconds): wait up to 2 minutes.
 for _ in $(seq 1200); do grep -q "admin http" "$OUT/headroom.log" 2>/dev/null && break; sleep 0.1; done
 grep -q "admin http" "$OUT/headroom.log" || { echo "the proxy did not start: $OUT/headroom.log" >&2; exit 1; }
+# Start-up (TLS roots, config, the first scrapes) is not the traffic: the profile counts from here.
+callgrind_control -z "$proxy_pid" >/dev/null 2>&1
 url=$(grep -m1 http "$OUT/headroom.url")
 $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "$url" --seed 7 --out "$OUT/replay" \
   >"$OUT/replay.txt" 2>"$OUT/replay.log"
@@ -112,7 +120,8 @@ wait "$proxy_pid" || true
 profile=$(ls "$OUT"/callgrind.out.* | head -1)
 echo "headroom: $profile ($N requests, $chunks relayed events), per relayed event:"
 # The worker's loop (every task and the runtime's own work), the relay's task, the request path,
-# the meter and the request's record; start-up (TLS roots, config) is in the total only.
+# the meter and the request's record. Counters are zeroed once the proxy is up, so the total is the
+# traffic's (and the idle work meanwhile: the scrapes, probes and timers).
 per_event "$profile" 'PROGRAM TOTALS' 'worker::Context::run \[' 'worker::Context::run_task \[' \
   'pump_in_own_task::\{\{closure\}\}::\{\{closure\}\} \[' 'ServerApp>::process_new::\{\{closure\}\} \[' \
   'ResponseMeter::on_chunk$' 'Recorder::finish \['

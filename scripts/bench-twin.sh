@@ -1,0 +1,138 @@
+#!/usr/bin/env bash
+# Two proxies on one core at the same time: each relays half of the overhead contract's streaming
+# load (one fixed-clock simulated replica, 64-token prompts, TOKENS-token streams, RATE_EACH req/s
+# through each), and each one's CPU per relayed chunk, user space and kernel, is read from /proc.
+# Run side by side rather than in turn, the two share every pause, interrupt and cache the machine
+# takes from that core, so a difference of a few percent shows on a machine whose drift between
+# rounds is ±10% (docs/benchmarks.md, "A build trained on the contract's traffic"). Each proxy also
+# evicts the other's code from the core's caches, as any other tenant would.
+#
+#   scripts/bench-twin.sh A B                  # A, B: headroom binaries, or `nginx` (the overhead
+#                                              # benchmark's unbuffered SSE proxy, one worker)
+#   REPS=3 DURATION=15 RATE_EACH=100 TOKENS=100 scripts/bench-twin.sh A B   # the defaults
+#   SWAP=1 scripts/bench-twin.sh A B           # then the same again with A and B's roles swapped
+#                                              # (which one's load starts first, which port)
+#
+# The proxies run on CPU 1 (taskset), the replica and both load generators on CPU 0; headroom with
+# measurement and capture on, as in the contract. Prints each repetition and writes OUT/twin.json.
+# Loopback only, bounded by REPS × DURATION.
+set -euo pipefail
+resolve() {
+  if [ "$1" = nginx ]; then echo nginx; return; fi
+  [ -x "$1" ] || { echo "$1 is not an executable (a headroom binary, or nginx)" >&2; exit 1; }
+  realpath "$1"
+}
+[ $# = 2 ] || { sed -n 2,20p "$0" >&2; exit 1; }
+A=$(resolve "$1")
+B=$(resolve "$2")
+cd "$(dirname "$0")/.."
+[ "$(nproc)" -ge 2 ] || { echo "needs two cores (the proxies on CPU 1, the load on CPU 0)" >&2; exit 1; }
+REPS=${REPS:-3}
+DURATION=${DURATION:-15}
+RATE_EACH=${RATE_EACH:-100}
+TOKENS=${TOKENS:-100}
+SWAP=${SWAP:-0}
+OUT=${OUT:-results/twin}
+mkdir -p "$OUT"
+cargo build --release --locked -q --bin headroom
+bin=target/release/headroom
+source scripts/bench-common.sh
+load_on=(taskset -c 0)
+
+stream_trace "$OUT/trace.jsonl" $((RATE_EACH * DURATION)) "$TOKENS"
+start_stream_replica fixed 20 10 "$OUT"
+
+# start_proxy WHAT NAME: a proxy on CPU 1 in front of the replica; sets url_NAME and pid_NAME.
+start_proxy() {
+  local what=$1 name=$2
+  if [ "$what" = nginx ]; then
+    command -v nginx >/dev/null || { echo "nginx is not installed (apt-get install nginx-light)" >&2; exit 1; }
+    local port dir
+    port=$(free_port)
+    dir=$(realpath "$OUT")/nginx-$name
+    nginx_conf "$dir" "$port" "${replica_url#http://}" 1 "daemon off;"
+    taskset -c 1 nginx -c "$dir/nginx.conf" -p "$dir" 2>"$dir.log" &
+    eval "pid_$name=$!"
+    pids+=($!)
+    for _ in $(seq 100); do
+      python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null && break
+      sleep 0.05
+    done
+    eval "url_$name=http://127.0.0.1:$port"
+  else
+    taskset -c 1 "$what" serve --backends "$replica_url" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+      --capture "$OUT/$name.capture.jsonl" >"$OUT/$name.url" 2>"$OUT/$name.log" &
+    eval "pid_$name=$!"
+    pids+=($!)
+    wait_line "$OUT/$name.url" http
+    eval "url_$name=$(grep -m1 http "$OUT/$name.url")"
+  fi
+}
+start_proxy "$A" a
+start_proxy "$B" b
+
+: >"$OUT/reps.jsonl"
+# rep N FIRST SECOND: one repetition, FIRST's load started first.
+rep() {
+  local n=$1 first=$2 second=$3
+  local p1 p2 c1 c2 r1 r2
+  eval "p1=\$pid_$first p2=\$pid_$second"
+  c1=$(cpu_split_of "$p1")
+  c2=$(cpu_split_of "$p2")
+  eval "u1=\$url_$first u2=\$url_$second"
+  "${load_on[@]}" "$bin" replay --trace "$OUT/trace.jsonl" --rate "$RATE_EACH" --duration "$DURATION" \
+    --target "$u1" --seed "$n" --out "$OUT/$first-$n" >"$OUT/$first-$n.txt" 2>"$OUT/$first-$n.log" &
+  r1=$!
+  "${load_on[@]}" "$bin" replay --trace "$OUT/trace.jsonl" --rate "$RATE_EACH" --duration "$DURATION" \
+    --target "$u2" --seed "$((n + 1000))" --out "$OUT/$second-$n" >"$OUT/$second-$n.txt" \
+    2>"$OUT/$second-$n.log" &
+  r2=$!
+  wait "$r1" "$r2"
+  python3 - "$n" "$first" "$second" "$c1" "$(cpu_split_of "$p1")" "$c2" "$(cpu_split_of "$p2")" "$OUT" \
+    >>"$OUT/reps.jsonl" <<'PY'
+import csv, json, os, sys
+n, first, second, c1a, c1b, c2a, c2b, out = sys.argv[1:]
+tick = 1e6 / os.sysconf("SC_CLK_TCK")
+def per_chunk(name, before, after):
+    with open(os.path.join(out, f"{name}-{n}", "requests.csv")) as f:
+        rows = [r for r in csv.DictReader(f) if r["status"] == "200" and not r["error"]]
+    chunks = sum(int(r["completion_tokens"] or 0) + 1 for r in rows)
+    u0, s0 = map(int, before.split()); u1, s1 = map(int, after.split())
+    return {"chunks": chunks, "user_us": (u1 - u0) * tick / max(chunks, 1),
+            "kernel_us": (s1 - s0) * tick / max(chunks, 1)}
+print(json.dumps({"rep": int(n), "first": first,
+                  first: per_chunk(first, c1a, c1b), second: per_chunk(second, c2a, c2b)}))
+PY
+}
+i=0
+for _ in $(seq "$REPS"); do i=$((i + 1)); rep "$i" a b; done
+if [ "$SWAP" = 1 ]; then
+  for _ in $(seq "$REPS"); do i=$((i + 1)); rep "$i" b a; done
+fi
+
+python3 - "$OUT" "${A#"$PWD"/}" "${B#"$PWD"/}" "$RATE_EACH" "$DURATION" "$TOKENS" <<'PY'
+import json, statistics, sys
+out, a_name, b_name, rate, duration, tokens = sys.argv[1:]
+reps = [json.loads(l) for l in open(f"{out}/reps.jsonl")]
+print(f"Two proxies on CPU 1 at once, {rate} req/s of {tokens}-token streams through each for "
+      f"{duration} s a repetition; A = {a_name}, B = {b_name}. CPU µs per relayed chunk:\n")
+print("| rep | first | A user | A kernel | A total | B user | B kernel | B total | B/A user | B/A total |")
+print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")
+ratios_user, ratios_total = [], []
+for r in reps:
+    a, b = r["a"], r["b"]
+    at, bt = a["user_us"] + a["kernel_us"], b["user_us"] + b["kernel_us"]
+    ru, rt = b["user_us"] / max(a["user_us"], 1e-9), bt / max(at, 1e-9)
+    ratios_user.append(ru); ratios_total.append(rt)
+    print(f"| {r['rep']} | {r['first'].upper()} | {a['user_us']:.2f} | {a['kernel_us']:.2f} | {at:.2f} | "
+          f"{b['user_us']:.2f} | {b['kernel_us']:.2f} | {bt:.2f} | {ru:.3f} | {rt:.3f} |")
+summary = {"a": a_name, "b": b_name, "rate_each": float(rate), "duration_s": float(duration),
+           "tokens": int(tokens), "reps": reps,
+           "b_over_a_user": {"median": statistics.median(ratios_user), "min": min(ratios_user), "max": max(ratios_user)},
+           "b_over_a_total": {"median": statistics.median(ratios_total), "min": min(ratios_total), "max": max(ratios_total)}}
+print(f"\nB/A, median (range) over {len(reps)} repetitions: user space {summary['b_over_a_user']['median']:.3f} "
+      f"({min(ratios_user):.3f}–{max(ratios_user):.3f}), all CPU {summary['b_over_a_total']['median']:.3f} "
+      f"({min(ratios_total):.3f}–{max(ratios_total):.3f})")
+with open(f"{out}/twin.json", "w") as f:
+    json.dump(summary, f, indent=1)
+PY
