@@ -10,12 +10,14 @@
 #   scripts/bench-twin.sh A B                  # A, B: headroom binaries, or `nginx` (the overhead
 #                                              # benchmark's unbuffered SSE proxy, one worker)
 #   REPS=3 DURATION=15 RATE_EACH=100 TOKENS=100 scripts/bench-twin.sh A B   # the defaults
-#   SWAP=1 scripts/bench-twin.sh A B           # then the same again with A and B's roles swapped
-#                                              # (which one's load starts first, which port)
+#   SWAP=1 scripts/bench-twin.sh A B           # then the same again with the loads' roles swapped
+#                                              # (whose load starts first, which seeds each gets)
 #
-# The proxies run on CPU 1 (taskset), the replica and both load generators on CPU 0; headroom with
-# measurement and capture on, as in the contract. Prints each repetition and writes OUT/twin.json.
-# Loopback only, bounded by REPS × DURATION.
+# Always pinned (scripts/pin.sh, PIN=1): both proxies on SUT_CPUS (one core; default the last), the
+# replica and both load generators on LOAD_CPUS; ISOLATE=1, NOIDLE=1 and LOAD_NICE=N work as in
+# bench-overhead.sh. headroom runs with measurement and capture on, as in the contract. Prints each
+# repetition and writes OUT/twin.json; any failed request stops the run (the CPU per chunk would
+# count work that relayed nothing). Loopback only, bounded by REPS × DURATION.
 set -euo pipefail
 resolve() {
   if [ "$1" = nginx ]; then echo nginx; return; fi
@@ -26,7 +28,6 @@ resolve() {
 A=$(resolve "$1")
 B=$(resolve "$2")
 cd "$(dirname "$0")/.."
-[ "$(nproc)" -ge 2 ] || { echo "needs two cores (the proxies on CPU 1, the load on CPU 0)" >&2; exit 1; }
 REPS=${REPS:-3}
 DURATION=${DURATION:-15}
 RATE_EACH=${RATE_EACH:-100}
@@ -36,13 +37,14 @@ OUT=${OUT:-results/twin}
 mkdir -p "$OUT"
 cargo build --release --locked -q --bin headroom
 bin=target/release/headroom
+PIN=1
 source scripts/bench-common.sh
-load_on=(taskset -c 0)
+[[ "$SUT_CPUS" =~ ^[0-9]+$ ]] || { echo "SUT_CPUS=$SUT_CPUS: the two proxies share one core" >&2; exit 1; }
 
 stream_trace "$OUT/trace.jsonl" $((RATE_EACH * DURATION)) "$TOKENS"
 start_stream_replica fixed 20 10 "$OUT"
 
-# start_proxy WHAT NAME: a proxy on CPU 1 in front of the replica; sets url_NAME and pid_NAME.
+# start_proxy WHAT NAME: a proxy on the SUT core in front of the replica; sets url_NAME and pid_NAME.
 start_proxy() {
   local what=$1 name=$2
   if [ "$what" = nginx ]; then
@@ -51,21 +53,24 @@ start_proxy() {
     port=$(free_port)
     dir=$(realpath "$OUT")/nginx-$name
     nginx_conf "$dir" "$port" "${replica_url#http://}" 1 "daemon off;"
-    taskset -c 1 nginx -c "$dir/nginx.conf" -p "$dir" 2>"$dir.log" &
-    eval "pid_$name=$!"
+    "${sut_on[@]}" nginx -c "$dir/nginx.conf" -p "$dir" 2>"$dir.log" &
+    printf -v "pid_$name" '%s' "$!"
     pids+=($!)
+    local up=0
     for _ in $(seq 100); do
-      python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null && break
+      python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null \
+        && { up=1; break; }
       sleep 0.05
     done
-    eval "url_$name=http://127.0.0.1:$port"
+    [ "$up" = 1 ] || { echo "nginx did not start: $dir.log" >&2; exit 1; }
+    printf -v "url_$name" '%s' "http://127.0.0.1:$port"
   else
-    taskset -c 1 "$what" serve --backends "$replica_url" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
+    "${sut_on[@]}" "$what" serve --backends "$replica_url" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
       --capture "$OUT/$name.capture.jsonl" >"$OUT/$name.url" 2>"$OUT/$name.log" &
-    eval "pid_$name=$!"
+    printf -v "pid_$name" '%s' "$!"
     pids+=($!)
     wait_line "$OUT/$name.url" http
-    eval "url_$name=$(grep -m1 http "$OUT/$name.url")"
+    printf -v "url_$name" '%s' "$(grep -m1 http "$OUT/$name.url")"
   fi
 }
 start_proxy "$A" a
@@ -87,7 +92,8 @@ rep() {
     --target "$u2" --seed "$((n + 1000))" --out "$OUT/$second-$n" >"$OUT/$second-$n.txt" \
     2>"$OUT/$second-$n.log" &
   r2=$!
-  wait "$r1" "$r2"
+  wait "$r1"
+  wait "$r2"
   python3 - "$n" "$first" "$second" "$c1" "$(cpu_split_of "$p1")" "$c2" "$(cpu_split_of "$p2")" "$OUT" \
     >>"$OUT/reps.jsonl" <<'PY'
 import csv, json, os, sys
@@ -95,11 +101,15 @@ n, first, second, c1a, c1b, c2a, c2b, out = sys.argv[1:]
 tick = 1e6 / os.sysconf("SC_CLK_TCK")
 def per_chunk(name, before, after):
     with open(os.path.join(out, f"{name}-{n}", "requests.csv")) as f:
-        rows = [r for r in csv.DictReader(f) if r["status"] == "200" and not r["error"]]
-    chunks = sum(int(r["completion_tokens"] or 0) + 1 for r in rows)
+        rows = list(csv.DictReader(f))
+    ok = [r for r in rows if r["status"] == "200" and not r["error"]]
+    if not ok or len(ok) < len(rows):
+        sys.exit(f"repetition {n}: {len(rows) - len(ok)} of {len(rows)} requests through {name.upper()} "
+                 f"failed ({out}/{name}-{n}/requests.csv): its CPU per chunk would not be comparable")
+    chunks = sum(int(r["completion_tokens"] or 0) + 1 for r in ok)
     u0, s0 = map(int, before.split()); u1, s1 = map(int, after.split())
-    return {"chunks": chunks, "user_us": (u1 - u0) * tick / max(chunks, 1),
-            "kernel_us": (s1 - s0) * tick / max(chunks, 1)}
+    return {"chunks": chunks, "user_us": (u1 - u0) * tick / chunks,
+            "kernel_us": (s1 - s0) * tick / chunks}
 print(json.dumps({"rep": int(n), "first": first,
                   first: per_chunk(first, c1a, c1b), second: per_chunk(second, c2a, c2b)}))
 PY
@@ -114,7 +124,7 @@ python3 - "$OUT" "${A#"$PWD"/}" "${B#"$PWD"/}" "$RATE_EACH" "$DURATION" "$TOKENS
 import json, statistics, sys
 out, a_name, b_name, rate, duration, tokens = sys.argv[1:]
 reps = [json.loads(l) for l in open(f"{out}/reps.jsonl")]
-print(f"Two proxies on CPU 1 at once, {rate} req/s of {tokens}-token streams through each for "
+print(f"Two proxies on one core at once, {rate} req/s of {tokens}-token streams through each for "
       f"{duration} s a repetition; A = {a_name}, B = {b_name}. CPU µs per relayed chunk:\n")
 print("| rep | first | A user | A kernel | A total | B user | B kernel | B total | B/A user | B/A total |")
 print("|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|")

@@ -28,25 +28,30 @@ RATE=${RATE:-200}
 OUT=target/pgo
 host=$(rustc -vV | sed -n 's/^host: //p')
 profdata="$(rustc --print sysroot)/lib/rustlib/$host/bin/llvm-profdata"
-if [ ! -x "$profdata" ]; then
+if [ ! -x "$profdata" ] && command -v rustup >/dev/null; then
   echo "installing llvm-tools (llvm-profdata) with rustup" >&2
-  rustup component add llvm-tools >&2
+  rustup component add llvm-tools >&2 || true
 fi
-[ -x "$profdata" ] || { echo "no llvm-profdata at $profdata: rustup component add llvm-tools" >&2; exit 1; }
+[ -x "$profdata" ] || {
+  echo "no llvm-profdata at $profdata: it comes with rustup's llvm-tools component (rustup component add llvm-tools); a Rust without rustup needs an llvm-profdata of rustc's LLVM version ($(rustc -vV | sed -n 's/^LLVM version: //p'))" >&2
+  exit 1
+}
 
 data=$(realpath -m "$OUT/data")
 rm -rf "$data" "$OUT/train"
 mkdir -p "$data" "$OUT/train"
-echo "1/4 instrumented build ($PROFILE)" >&2
+echo "1/5 instrumented build ($PROFILE)" >&2
 # With --target, RUSTFLAGS reach the program only, not build scripts or proc macros.
 RUSTFLAGS="-Cprofile-generate=$data" cargo build --profile "$PROFILE" --locked -q --bin headroom \
   --target "$host" --target-dir "$OUT/gen"
 gen="$OUT/gen/$host/$PROFILE/headroom"
 
+echo "2/5 the ordinary release build (the simulator and the load generator of the training)" >&2
 cargo build --release --locked -q --bin headroom
 bin=target/release/headroom
+# The benchmarks' placement and priority settings are not this script's: everything runs unpinned.
+PIN=0 ISOLATE=0 NOIDLE=0 LOAD_NICE=
 source scripts/bench-common.sh
-load_on=()
 train="$OUT/train"
 
 # serve_through CONFIG NAME: the instrumented proxy on ephemeral ports with CONFIG; sets proxy_url
@@ -66,10 +71,10 @@ stop() {
   wait "$1" || { echo "the instrumented proxy did not exit cleanly: $train/*.log" >&2; exit 1; }
 }
 
-echo "2/4 training: streams, ${RATE} req/s for ${TRAIN_S} s" >&2
+echo "3/5 training: streams, ${RATE} req/s for ${TRAIN_S} s" >&2
 stream_trace "$train/streams.jsonl" $((RATE * TRAIN_S)) 100
 start_stream_replica fixed 20 10 "$train"
-printf '[[backends]]\nurl = "%s"\n' "$replica_url" >"$train/streams.toml"
+printf '[shutdown]\ndrain_ms = 0\n\n[[backends]]\nurl = "%s"\n' "$replica_url" >"$train/streams.toml"
 serve_through "$train/streams.toml" streams
 "$bin" replay --trace "$train/streams.jsonl" --rate "$RATE" --target "$proxy_url" --seed 7 \
   --out "$train/streams-replay" >"$train/streams-replay.txt" 2>"$train/streams-replay.log"
@@ -77,12 +82,12 @@ stop "$proxy_pid"
 kill -INT "$replica_pid"
 wait "$replica_pid" || true
 
-echo "2/4 training: routing, a shortened demo in the instrumented build" >&2
+echo "3/5 training: routing, a shortened demo in the instrumented build" >&2
 # The demo runs its replicas, proxies and load in one process: chat turns of four tenants beside a
 # batch job, through round-robin and through headroom's pools, admission and prefix routing.
 "$gen" demo --requests 60 --batch-requests 90 --out "$train/demo" >"$train/demo.txt" 2>"$train/demo.log"
 
-echo "3/4 merging the counts" >&2
+echo "4/5 merging the counts" >&2
 "$profdata" merge -o "$OUT/merged.profdata" "$data"
 # Cargo does not track the file -Cprofile-use reads: named by its content, new counts are a new
 # flag, and so a rebuild.
@@ -90,7 +95,7 @@ sum=$(sha256sum "$OUT/merged.profdata" | cut -c1-16)
 rm -f "$OUT"/headroom-*.profdata
 mv "$OUT/merged.profdata" "$OUT/headroom-$sum.profdata"
 
-echo "4/4 optimised build ($PROFILE, with the counts)" >&2
+echo "5/5 optimised build ($PROFILE, with the counts)" >&2
 RUSTFLAGS="-Cprofile-use=$(realpath "$OUT/headroom-$sum.profdata")" cargo build --profile "$PROFILE" \
   --locked -q --bin headroom --target "$host" --target-dir "$OUT/use"
 cp "$OUT/use/$host/$PROFILE/headroom" "$OUT/headroom"

@@ -77,6 +77,18 @@ for line in sys.stdin:
 ' "$chunks" "$CACHE" "$@"
 }
 
+# zero_counters PID: start-up (TLS roots, config, the first scrapes) is not the traffic, so the
+# profile counts from here. callgrind_control exits 0 whether or not it reached the process: its
+# words say which.
+zero_counters() {
+  local said
+  said=$(timeout 60 callgrind_control -z "$1" 2>&1 || true)
+  if [[ "$said" != *"sending command zero"* || "$said" == *Error* ]]; then
+    echo "could not zero the counters of $1 (callgrind_control -z): $said" >&2
+    exit 1
+  fi
+}
+
 if [ "$NGINX" = 1 ]; then
   ngx_bin=$(command -v nginx || echo /usr/sbin/nginx)
   [ -x "$ngx_bin" ] || { echo "NGINX=1 needs nginx (apt-get install nginx-light)" >&2; exit 1; }
@@ -93,8 +105,7 @@ if [ "$NGINX" = 1 ]; then
     python3 -c "import socket; socket.create_connection(('127.0.0.1', $ngx_port), 0.2)" 2>/dev/null && break
     sleep 0.1
   done
-  # Start-up is not the traffic: counts from here on only.
-  callgrind_control -z "$ngx_pid" >/dev/null 2>&1
+  zero_counters "$ngx_pid"
   $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "http://127.0.0.1:$ngx_port" --seed 7 \
     --out "$OUT/replay-nginx" >"$OUT/replay-nginx.txt" 2>"$OUT/replay-nginx.log"
   kill -QUIT "$ngx_pid"
@@ -110,8 +121,7 @@ pids+=($proxy_pid)
 # Start-up under callgrind is slow (seconds): wait up to 2 minutes.
 for _ in $(seq 1200); do grep -q "admin http" "$OUT/headroom.log" 2>/dev/null && break; sleep 0.1; done
 grep -q "admin http" "$OUT/headroom.log" || { echo "the proxy did not start: $OUT/headroom.log" >&2; exit 1; }
-# Start-up (TLS roots, config, the first scrapes) is not the traffic: the profile counts from here.
-callgrind_control -z "$proxy_pid" >/dev/null 2>&1
+zero_counters "$proxy_pid"
 url=$(grep -m1 http "$OUT/headroom.url")
 $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "$url" --seed 7 --out "$OUT/replay" \
   >"$OUT/replay.txt" 2>"$OUT/replay.log"
