@@ -91,6 +91,23 @@ free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'
 }
 
+# wait_port PORT SECONDS WHAT: waits up to SECONDS for a listener on 127.0.0.1:PORT; otherwise
+# says WHAT did not start and exits.
+wait_port() {
+  python3 - "$1" "$2" <<'PY' || { echo "$3 did not start (nothing listens on 127.0.0.1:$1)" >&2; exit 1; }
+import socket, sys, time
+port, deadline = int(sys.argv[1]), time.monotonic() + float(sys.argv[2])
+while True:
+    try:
+        socket.create_connection(("127.0.0.1", port), 0.2).close()
+        break
+    except OSError:
+        if time.monotonic() > deadline:
+            sys.exit(1)
+        time.sleep(0.05)
+PY
+}
+
 # nginx_conf DIR PORT UPSTREAM WORKERS [PREAMBLE]: writes DIR/nginx.conf, the reference proxy of the
 # overhead benchmarks: nginx as a plain unbuffered SSE reverse proxy on 127.0.0.1:PORT in front of
 # UPSTREAM (host:port), HTTP/1.1 keep-alive to it, WORKERS worker processes, no access log; PREAMBLE

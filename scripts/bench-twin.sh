@@ -44,7 +44,9 @@ source scripts/bench-common.sh
 stream_trace "$OUT/trace.jsonl" $((RATE_EACH * DURATION)) "$TOKENS"
 start_stream_replica fixed 20 10 "$OUT"
 
-# start_proxy WHAT NAME: a proxy on the SUT core in front of the replica; sets url_NAME and pid_NAME.
+# start_proxy WHAT NAME: a proxy on the SUT core in front of the replica; sets url[NAME] and
+# pid[NAME].
+declare -A url pid
 start_proxy() {
   local what=$1 name=$2
   if [ "$what" = nginx ]; then
@@ -54,23 +56,17 @@ start_proxy() {
     dir=$(realpath "$OUT")/nginx-$name
     nginx_conf "$dir" "$port" "${replica_url#http://}" 1 "daemon off;"
     "${sut_on[@]}" nginx -c "$dir/nginx.conf" -p "$dir" 2>"$dir.log" &
-    printf -v "pid_$name" '%s' "$!"
+    pid[$name]=$!
     pids+=($!)
-    local up=0
-    for _ in $(seq 100); do
-      python3 -c "import socket; socket.create_connection(('127.0.0.1', $port), 0.2)" 2>/dev/null \
-        && { up=1; break; }
-      sleep 0.05
-    done
-    [ "$up" = 1 ] || { echo "nginx did not start: $dir.log" >&2; exit 1; }
-    printf -v "url_$name" '%s' "http://127.0.0.1:$port"
+    wait_port "$port" 5 "nginx ($dir.log)"
+    url[$name]=http://127.0.0.1:$port
   else
     "${sut_on[@]}" "$what" serve --backends "$replica_url" --listen 127.0.0.1:0 --admin-listen 127.0.0.1:0 \
       --capture "$OUT/$name.capture.jsonl" >"$OUT/$name.url" 2>"$OUT/$name.log" &
-    printf -v "pid_$name" '%s' "$!"
+    pid[$name]=$!
     pids+=($!)
     wait_line "$OUT/$name.url" http
-    printf -v "url_$name" '%s' "$(grep -m1 http "$OUT/$name.url")"
+    url[$name]=$(grep -m1 http "$OUT/$name.url")
   fi
 }
 start_proxy "$A" a
@@ -80,16 +76,14 @@ start_proxy "$B" b
 # rep N FIRST SECOND: one repetition, FIRST's load started first.
 rep() {
   local n=$1 first=$2 second=$3
-  local p1 p2 c1 c2 r1 r2
-  eval "p1=\$pid_$first p2=\$pid_$second"
+  local p1=${pid[$first]} p2=${pid[$second]} c1 c2 r1 r2
   c1=$(cpu_split_of "$p1")
   c2=$(cpu_split_of "$p2")
-  eval "u1=\$url_$first u2=\$url_$second"
   "${load_on[@]}" "$bin" replay --trace "$OUT/trace.jsonl" --rate "$RATE_EACH" --duration "$DURATION" \
-    --target "$u1" --seed "$n" --out "$OUT/$first-$n" >"$OUT/$first-$n.txt" 2>"$OUT/$first-$n.log" &
+    --target "${url[$first]}" --seed "$n" --out "$OUT/$first-$n" >"$OUT/$first-$n.txt" 2>"$OUT/$first-$n.log" &
   r1=$!
   "${load_on[@]}" "$bin" replay --trace "$OUT/trace.jsonl" --rate "$RATE_EACH" --duration "$DURATION" \
-    --target "$u2" --seed "$((n + 1000))" --out "$OUT/$second-$n" >"$OUT/$second-$n.txt" \
+    --target "${url[$second]}" --seed "$((n + 1000))" --out "$OUT/$second-$n" >"$OUT/$second-$n.txt" \
     2>"$OUT/$second-$n.log" &
   r2=$!
   wait "$r1"

@@ -101,10 +101,8 @@ if [ "$NGINX" = 1 ]; then
     -p "$ngx_dir" 2>"$OUT/nginx.valgrind.log" &
   ngx_pid=$!
   pids+=($ngx_pid)
-  for _ in $(seq 1200); do
-    python3 -c "import socket; socket.create_connection(('127.0.0.1', $ngx_port), 0.2)" 2>/dev/null && break
-    sleep 0.1
-  done
+  # Start-up under callgrind is slow: up to 2 minutes.
+  wait_port "$ngx_port" 120 "nginx under callgrind ($OUT/nginx.valgrind.log)"
   zero_counters "$ngx_pid"
   $bin replay --trace "$OUT/trace.jsonl" --rate "$RATE" --target "http://127.0.0.1:$ngx_port" --seed 7 \
     --out "$OUT/replay-nginx" >"$OUT/replay-nginx.txt" 2>"$OUT/replay-nginx.log"
