@@ -86,6 +86,39 @@ start_stream_replica() {
 
 source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"
 
+# need_tcpdump: installs tcpdump when missing (WIRE=1 captures the proxies' loopback traffic) and
+# exits when it cannot capture on lo.
+need_tcpdump() {
+  if ! command -v tcpdump >/dev/null 2>&1; then
+    echo "installing tcpdump (WIRE=1 captures the proxies' loopback traffic)" >&2
+    local sudo=""
+    [ "$(id -u)" = 0 ] || sudo=sudo
+    $sudo apt-get update -qq && $sudo apt-get install -y -qq tcpdump >/dev/null
+  fi
+  if ! grep -q "listening on" <<<"$(timeout 2 tcpdump -Z root -i lo -c 1 -w /dev/null 'tcp port 1' 2>&1)"; then
+    echo "WIRE=1 needs to capture on lo (tcpdump as root, or with CAP_NET_RAW)" >&2
+    exit 2
+  fi
+}
+
+# start_wire_capture PCAP LOG PORT...: captures on lo the TCP packets to or from any PORT that
+# carry a payload or open or end a connection (no bare ACKs), the reader run through wire_on (the
+# load cores: the capture's kernel side runs in each sender's system call, alike for every proxy,
+# and its reader must not take a proxy's core); -Z root: the file is written where the script
+# writes. Waits until it listens; sets wire_pid.
+start_wire_capture() {
+  local pcap=$1 log=$2 ports="port $3"
+  shift 3
+  local port
+  for port in "$@"; do ports+=" or port $port"; done
+  "${wire_on[@]}" tcpdump -Z root -i lo -s 0 -B 262144 --time-stamp-precision nano -w "$pcap" \
+    "tcp and ($ports) and ((ip[2:2] - ((ip[0]&0xf)<<2) - ((tcp[12]&0xf0)>>2)) != 0 or tcp[tcpflags] & (tcp-syn|tcp-fin|tcp-rst) != 0)" \
+    2>"$log" &
+  wire_pid=$!
+  pids+=($wire_pid)
+  wait_line "$log" "listening on"
+}
+
 # free_port: a loopback TCP port nothing listens on (bound and let go: free unless taken since).
 free_port() {
   python3 -c 'import socket; s = socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])'

@@ -122,15 +122,6 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 WIRE=${WIRE:-0}
-if [ "$WIRE" = 1 ] && ! command -v tcpdump >/dev/null 2>&1; then
-  echo "installing tcpdump (WIRE=1 captures the proxies' loopback traffic)" >&2
-  if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
-  $SUDO apt-get update -qq && $SUDO apt-get install -y -qq tcpdump >/dev/null
-fi
-if [ "$WIRE" = 1 ] && ! grep -q "listening on" <<<"$(timeout 2 tcpdump -Z root -i lo -c 1 -w /dev/null 'tcp port 1' 2>&1)"; then
-  echo "WIRE=1 needs to capture on lo (tcpdump as root, or with CAP_NET_RAW)" >&2
-  exit 2
-fi
 cargo build --release --locked -q
 bin=target/release/headroom
 if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
@@ -149,6 +140,7 @@ if [ -z "${SERVE_BIN:-}" ]; then
 fi
 
 source scripts/bench-common.sh
+[ "$WIRE" = 1 ] && need_tcpdump
 # WIRE=1's packet capture reads on the load cores (pinned), never on the proxy's.
 wire_on=()
 [ "$PIN" = 1 ] && wire_on=(taskset -c "$LOAD_CPUS")
@@ -293,17 +285,11 @@ for round in $(seq "$ROUNDS"); do
       pausing=$!
     fi
     if [ "$WIRE" = 1 ]; then
-      # Packets with a payload only (no bare ACKs), on the load cores: the capture's kernel side
-      # runs in each sender's system call, alike for both proxies; its reader must not take the
-      # proxy's core. -Z root: the file is written where this script writes. Direct rounds are
-      # captured too (the replica's port alone), for the replica's own TTFT on the wire.
+      # Direct rounds are captured too (the replica's port alone: the url is the replica's), for
+      # the replica's own TTFT on the wire.
       proxy_port=${url##*:}
-      "${wire_on[@]}" tcpdump -Z root -i lo -s 0 -B 262144 --time-stamp-precision nano -w "$dir-wire.pcap" \
-        "tcp and (port $proxy_port or port ${sim_hostport##*:}) and ((ip[2:2] - ((ip[0]&0xf)<<2) - ((tcp[12]&0xf0)>>2)) != 0 or tcp[tcpflags] & (tcp-syn|tcp-fin|tcp-rst) != 0)" \
-        2>"$dir-wire.log" &
-      wiring=$!
-      pids+=($wiring)
-      wait_line "$dir-wire.log" "listening on"
+      start_wire_capture "$dir-wire.pcap" "$dir-wire.log" "$proxy_port" "${sim_hostport##*:}"
+      wiring=$wire_pid
     fi
     stopping=""
     rm -f "$dir-stops.json" "$dir/stops.json" "$dir/drain.json" "$dir/drain.txt" "$dir/events.csv"

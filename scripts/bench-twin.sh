@@ -12,6 +12,15 @@
 #   REPS=3 DURATION=15 RATE_EACH=100 TOKENS=100 scripts/bench-twin.sh A B   # the defaults
 #   SWAP=1 scripts/bench-twin.sh A B           # then the same again with the loads' roles swapped
 #                                              # (whose load starts first, which seeds each gets)
+#   WIRE=1 scripts/bench-twin.sh A B           # also read off the wire (tcpdump on lo,
+#                                              # scripts/wire_latency.py) how long each proxy held
+#                                              # each request and each event, under the same pauses:
+#                                              # each proxy then has a replica of its own, so the
+#                                              # two legs of each are told apart by port. Medians
+#                                              # and p90s only: the two processes wait for each
+#                                              # other's scheduler slices on the one core, which sets
+#                                              # both tails (milliseconds); tails come from
+#                                              # bench-overhead.sh, one proxy at a time
 #
 # Always pinned (scripts/pin.sh, PIN=1): both proxies on SUT_CPUS (one core; default the last), the
 # replica and both load generators on LOAD_CPUS; ISOLATE=1, NOIDLE=1 and LOAD_NICE=N work as in
@@ -33,6 +42,7 @@ DURATION=${DURATION:-15}
 RATE_EACH=${RATE_EACH:-100}
 TOKENS=${TOKENS:-100}
 SWAP=${SWAP:-0}
+WIRE=${WIRE:-0}
 OUT=${OUT:-results/twin}
 mkdir -p "$OUT"
 cargo build --release --locked -q --bin headroom
@@ -40,15 +50,28 @@ bin=target/release/headroom
 PIN=1
 source scripts/bench-common.sh
 [[ "$SUT_CPUS" =~ ^[0-9]+$ ]] || { echo "SUT_CPUS=$SUT_CPUS: the two proxies share one core" >&2; exit 1; }
+[ "$WIRE" = 1 ] && need_tcpdump
+# The capture's reader runs on the load cores.
+wire_on=(taskset -c "$LOAD_CPUS")
 
 stream_trace "$OUT/trace.jsonl" $((RATE_EACH * DURATION)) "$TOKENS"
-start_stream_replica fixed 20 10 "$OUT"
+# replica[NAME]: the replica behind proxy NAME (one for both, or with WIRE=1 one each).
+declare -A replica
+mkdir -p "$OUT/replica-a"
+start_stream_replica fixed 20 10 "$OUT/replica-a"
+replica[a]=$replica_url
+replica[b]=$replica_url
+if [ "$WIRE" = 1 ]; then
+  mkdir -p "$OUT/replica-b"
+  start_stream_replica fixed 20 10 "$OUT/replica-b"
+  replica[b]=$replica_url
+fi
 
 # start_proxy WHAT NAME: a proxy on the SUT core in front of the replica; sets url[NAME] and
 # pid[NAME].
 declare -A url pid
 start_proxy() {
-  local what=$1 name=$2
+  local what=$1 name=$2 replica_url=${replica[$2]}
   if [ "$what" = nginx ]; then
     command -v nginx >/dev/null || { echo "nginx is not installed (apt-get install nginx-light)" >&2; exit 1; }
     local port dir
@@ -77,6 +100,12 @@ start_proxy "$B" b
 rep() {
   local n=$1 first=$2 second=$3
   local p1=${pid[$first]} p2=${pid[$second]} c1 c2 r1 r2
+  local wiring=""
+  if [ "$WIRE" = 1 ]; then
+    start_wire_capture "$OUT/wire-$n.pcap" "$OUT/wire-$n.log" \
+      "${url[a]##*:}" "${url[b]##*:}" "${replica[a]##*:}" "${replica[b]##*:}"
+    wiring=$wire_pid
+  fi
   c1=$(cpu_split_of "$p1")
   c2=$(cpu_split_of "$p2")
   "${load_on[@]}" "$bin" replay --trace "$OUT/trace.jsonl" --rate "$RATE_EACH" --duration "$DURATION" \
@@ -88,10 +117,26 @@ rep() {
   r2=$!
   wait "$r1"
   wait "$r2"
+  local held=()
+  if [ -n "$wiring" ]; then
+    # The last packets are still in the capture's ring buffer when the loads end.
+    sleep 1
+    kill -INT "$wiring"; wait "$wiring" || true
+    local dropped name
+    dropped=$(sed -n 's/^\([0-9]*\) packets dropped by kernel.*/\1/p' "$OUT/wire-$n.log")
+    for name in a b; do
+      python3 scripts/wire_latency.py "$OUT/wire-$n.pcap" --proxy-port "${url[$name]##*:}" \
+        --replica-port "${replica[$name]##*:}" --dropped "${dropped:-0}" --json "$OUT/$name-$n/wire.json" \
+        >"$OUT/$name-$n/wire.txt" 2>&1 || { cat "$OUT/$name-$n/wire.txt" >&2; exit 1; }
+    done
+    [ "${KEEP_PCAP:-0}" = 1 ] || rm -f "$OUT/wire-$n.pcap"
+    held=(--wire)
+  fi
   python3 - "$n" "$first" "$second" "$c1" "$(cpu_split_of "$p1")" "$c2" "$(cpu_split_of "$p2")" "$OUT" \
-    >>"$OUT/reps.jsonl" <<'PY'
+    "${held[@]}" >>"$OUT/reps.jsonl" <<'PY'
 import csv, json, os, sys
-n, first, second, c1a, c1b, c2a, c2b, out = sys.argv[1:]
+n, first, second, c1a, c1b, c2a, c2b, out = sys.argv[1:9]
+wire = sys.argv[9:] == ["--wire"]
 tick = 1e6 / os.sysconf("SC_CLK_TCK")
 def per_chunk(name, before, after):
     with open(os.path.join(out, f"{name}-{n}", "requests.csv")) as f:
@@ -102,8 +147,15 @@ def per_chunk(name, before, after):
                  f"failed ({out}/{name}-{n}/requests.csv): its CPU per chunk would not be comparable")
     chunks = sum(int(r["completion_tokens"] or 0) + 1 for r in ok)
     u0, s0 = map(int, before.split()); u1, s1 = map(int, after.split())
-    return {"chunks": chunks, "user_us": (u1 - u0) * tick / chunks,
-            "kernel_us": (s1 - s0) * tick / chunks}
+    got = {"chunks": chunks, "user_us": (u1 - u0) * tick / chunks,
+           "kernel_us": (s1 - s0) * tick / chunks}
+    if wire:
+        with open(os.path.join(out, f"{name}-{n}", "wire.json")) as f:
+            w = json.load(f)
+        got["wire"] = {k: {q: w[k][q] for q in ("p50", "p90", "p99")}
+                       for k in ("request_us", "ttft_share_us", "event_us")}
+        got["wire"]["resent_segments"] = w["resent_segments"]
+    return got
 print(json.dumps({"rep": int(n), "first": first,
                   first: per_chunk(first, c1a, c1b), second: per_chunk(second, c2a, c2b)}))
 PY
@@ -137,6 +189,26 @@ summary = {"a": a_name, "b": b_name, "rate_each": float(rate), "duration_s": flo
 print(f"\nB/A, median (range) over {len(reps)} repetitions: user space {summary['b_over_a_user']['median']:.3f} "
       f"({min(ratios_user):.3f}–{max(ratios_user):.3f}), all CPU {summary['b_over_a_total']['median']:.3f} "
       f"({min(ratios_total):.3f}–{max(ratios_total):.3f})")
+if all("wire" in r["a"] for r in reps):
+    print("\nHeld by each proxy, read off the wire, µs (p50 / p90; the same moments for both):\n")
+    print("| rep | A request | B request | A TTFT share | B TTFT share | A every event | B every event | segments sent again, whole capture |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for r in reps:
+        a, b = r["a"]["wire"], r["b"]["wire"]
+        cell = lambda w, k: f"{w[k]['p50']:.0f} / {w[k]['p90']:.0f}"
+        print(f"| {r['rep']} | {cell(a, 'request_us')} | {cell(b, 'request_us')} | {cell(a, 'ttft_share_us')} | "
+              f"{cell(b, 'ttft_share_us')} | {cell(a, 'event_us')} | {cell(b, 'event_us')} | "
+              f"{a['resent_segments']} |")
+    held = {}
+    for k in ("request_us", "ttft_share_us", "event_us"):
+        for q in ("p50", "p90"):
+            rs = [r["b"]["wire"][k][q] / max(r["a"]["wire"][k][q], 1e-9) for r in reps]
+            held[f"{k}_{q}"] = {"median": statistics.median(rs), "min": min(rs), "max": max(rs),
+                                "b_lower_in": sum(x < 1 for x in rs)}
+    summary["b_over_a_held"] = held
+    print(f"\nB/A held, median (range) over {len(reps)} repetitions, and in how many B held less:")
+    for k, v in held.items():
+        print(f"- {k}: {v['median']:.3f} ({v['min']:.3f}–{v['max']:.3f}), B lower in {v['b_lower_in']} of {len(reps)}")
 with open(f"{out}/twin.json", "w") as f:
     json.dump(summary, f, indent=1)
 PY

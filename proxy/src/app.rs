@@ -1,12 +1,11 @@
-//! The pingora application: every request is classified by route in `request_filter` and answered
-//! there: generation requests are inspected, routed and forwarded (forward.rs), `/v1/models` is
-//! merged over the fleet, `/health` and `/tokenize` are passed through, and anything else is a 404
-//! that never reaches an engine.
+//! The request handler: each client connection's HTTP/1 requests are read with pingora's session
+//! (`serve_connection`), classified by route and answered (`answer`): generation requests are
+//! inspected, routed and forwarded (forward.rs), `/v1/models` is merged over the fleet, `/health`
+//! and `/tokenize` are passed through, and anything else is a 404 that never reaches an engine.
 
 use std::sync::Arc;
 use std::time::{Duration, Instant, SystemTime};
 
-use async_trait::async_trait;
 use bytes::{Bytes, BytesMut};
 use headroom_config::serve::ServeConfig;
 use headroom_workload::inspect::{
@@ -14,10 +13,12 @@ use headroom_workload::inspect::{
 };
 use headroom_workload::measure::ResponseMeter;
 use http::{Method, header};
+use pingora::apps::HttpPersistentSettings;
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
-use pingora::proxy::{ProxyHttp, Session};
-use pingora::upstreams::peer::HttpPeer;
+use pingora::protocols::Stream;
+use pingora::proxy::Session;
+use tokio::sync::watch;
 
 use crate::auth::Keys;
 use crate::error::{ErrorKind, ProxyError};
@@ -33,6 +34,9 @@ use crate::upstreams::Fleet;
 /// inspected on the blocking pool rather than on an async worker; smaller ones cost less than the
 /// hand-off between threads.
 pub const INSPECT_OFF_WORKER_BYTES: usize = 32 * 1024;
+
+/// How long a client connection is kept open between requests (pingora's default).
+const KEEPALIVE_SECS: u64 = 60;
 
 /// The proxy: shared by every connection.
 pub struct Headroom {
@@ -753,10 +757,7 @@ fn rand_id() -> u64 {
     xxhash_rust::xxh3::xxh3_64_with_seed(&n.to_le_bytes(), t ^ u64::from(std::process::id()))
 }
 
-#[async_trait]
-impl ProxyHttp for Headroom {
-    type CTX = RequestCtx;
-
+impl Headroom {
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
             start: Instant::now(),
@@ -784,28 +785,62 @@ impl ProxyHttp for Headroom {
         }
     }
 
-    fn init_downstream_modules(&self, _modules: &mut pingora::modules::http::HttpModules) {
-        // No response compression module: streams pass through byte for byte, and no module
-        // runs per chunk.
+    /// Serves a client connection's HTTP/1 requests, one after another, until it closes or is not
+    /// kept alive. pingora's HTTP session reads and parses each request and writes the answer;
+    /// this loop stands where pingora's `HttpProxy` would, without its proxy machinery: headroom
+    /// answers every request itself, and the request's future is part of the connection's task,
+    /// not a new ~18 KB box per request.
+    pub(crate) async fn serve_connection(&self, stream: Stream, shutdown: &watch::Receiver<bool>) {
+        let mut stream = stream;
+        let mut carried: Option<HttpPersistentSettings> = None;
+        loop {
+            let mut session = Session::new_h1(stream);
+            match carried.take() {
+                Some(settings) => settings.apply_to_session(&mut session.downstream_session),
+                // pingora's default for a new connection.
+                None => session.set_keepalive(Some(KEEPALIVE_SECS)),
+            }
+            if *shutdown.borrow() {
+                session.set_keepalive(None);
+            }
+            match session.downstream_session.read_request().await {
+                Ok(true) => {}
+                // Closed before a request, or an idle keep-alive connection timed out.
+                Ok(false) => return,
+                Err(e) => {
+                    if e.etype == pingora::ErrorType::InvalidHTTPHeader {
+                        let _ = session.downstream_session.respond_error(400).await;
+                    }
+                    tracing::debug!("client connection: {e}");
+                    session.downstream_session.shutdown().await;
+                    return;
+                }
+            }
+            if session.req_header().method == Method::CONNECT {
+                // A tunnel changes how the connection is framed: never served.
+                let _ = session.downstream_session.respond_error(405).await;
+                session.downstream_session.shutdown().await;
+                return;
+            }
+            let mut ctx = self.new_ctx();
+            self.answer(&mut session, &mut ctx).await;
+            self.log(&mut session, &mut ctx);
+            let settings = HttpPersistentSettings::for_session(&session.downstream_session);
+            let Ok(Some(reusable)) = session.downstream_session.finish().await else {
+                return;
+            };
+            let (next, pipelined) = reusable.into_parts();
+            let mut settings = settings;
+            if let Some(prefix) = pipelined {
+                settings.set_pipelined_prefix(prefix);
+            }
+            carried = Some(settings);
+            stream = next;
+        }
     }
 
-    async fn upstream_peer(
-        &self,
-        _session: &mut Session,
-        _ctx: &mut RequestCtx,
-    ) -> pingora::Result<Box<HttpPeer>> {
-        // request_filter answers every request, so pingora's own proxying never runs.
-        Err(pingora::Error::explain(
-            pingora::ErrorType::InternalError,
-            "headroom answers every request in request_filter",
-        ))
-    }
-
-    async fn request_filter(
-        &self,
-        session: &mut Session,
-        ctx: &mut RequestCtx,
-    ) -> pingora::Result<bool> {
+    /// Answers one request, whatever happens: an error becomes its response here.
+    async fn answer(&self, session: &mut Session, ctx: &mut RequestCtx) {
         ctx.start = Instant::now();
         ctx.arrival = SystemTime::now();
         if let Some(conn) = client_conn(session) {
@@ -847,15 +882,10 @@ impl ProxyHttp for Headroom {
                 respond(session, e.status(), "application/json", e.body(), Some(&e)).await;
             }
         }
-        Ok(true)
     }
 
-    async fn logging(
-        &self,
-        session: &mut Session,
-        _e: Option<&pingora::Error>,
-        ctx: &mut RequestCtx,
-    ) {
+    /// The request's end: its count, its record and its access-log line.
+    fn log(&self, session: &mut Session, ctx: &mut RequestCtx) {
         if !session.as_downstream_mut().is_body_done() {
             // A body nobody read (a preflight's, say) would be drained as the connection's next
             // bytes, under the next header's clock: the connection closes instead.

@@ -14,12 +14,9 @@ use headroom_config::serve::ServeConfig;
 use headroom_workload::engine_tokenizer::EngineTokenizer;
 use headroom_workload::inspect::{Chain, InspectConfig, VllmChain};
 use headroom_workload::vllm_hash::{SaltKeys, VllmHasher};
-use pingora::apps::ServerApp;
 use pingora::connectors::ConnectorOptions;
 use pingora::connectors::http::Connector;
 use pingora::listeners::tls::Acceptor as TlsAcceptor;
-use pingora::proxy::HttpProxy;
-use pingora::server::configuration::ServerConf;
 use tokio::sync::watch;
 use tokio::task::JoinHandle;
 
@@ -258,7 +255,7 @@ struct Shared {
 #[derive(Clone)]
 struct Live {
     cfg: Arc<ServeConfig>,
-    app: Arc<HttpProxy<Headroom>>,
+    app: Arc<Headroom>,
     policy: Arc<dyn RoutingPolicy>,
     fleet: Arc<Fleet>,
     admission: Option<Arc<Admission>>,
@@ -766,10 +763,7 @@ impl Generation {
                 class_header: cfg.measure.class_header.to_ascii_lowercase(),
             },
         };
-        let app = Arc::new(pingora::proxy::http_proxy(
-            &Arc::new(ServerConf::default()),
-            headroom,
-        ));
+        let app = Arc::new(headroom);
 
         let (stop, stop_rx) = watch::channel(false);
         let scrapes_held = Arc::new(std::sync::RwLock::new(false));
@@ -1097,11 +1091,7 @@ async fn accept_loop(
                     }
                 }
             };
-            let stream: pingora::protocols::Stream = Box::new(conn);
-            let mut next: Option<pingora::protocols::Stream> = Some(stream);
-            while let Some(s) = next {
-                next = app.process_new(s, &shutdown).await;
-            }
+            app.serve_connection(Box::new(conn), &shutdown).await;
         });
     }
 }

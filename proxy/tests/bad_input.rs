@@ -96,6 +96,14 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
         assert_eq!(status(&r), 400, "{bad:?}: {r}");
         assert!(closed, "{bad:?}");
     }
+    // A tunnel is never opened: 405, and the connection closed rather than read as a tunnel.
+    let (r, closed) = exchange(
+        &h,
+        b"CONNECT replica.internal:8000 HTTP/1.1\r\nhost: replica.internal:8000\r\n\r\n",
+    )
+    .await;
+    assert_eq!(status(&r), 405, "{r}");
+    assert!(closed, "{r}");
     assert_eq!(seen.requests(), 0, "an engine saw a refused request");
 
     // Framed two ways: read as chunked (RFC 9112 §6.3), and the connection closed after it, so
