@@ -20,7 +20,8 @@
 #                                              # and p90s only: the two processes wait for each
 #                                              # other's scheduler slices on the one core, which sets
 #                                              # both tails (milliseconds); tails come from
-#                                              # bench-overhead.sh, one proxy at a time
+#                                              # bench-overhead.sh, one proxy at a time.
+#                                              # KEEP_PCAP=1 keeps each repetition's capture
 #
 # Always pinned (scripts/pin.sh, PIN=1): both proxies on SUT_CPUS (one core; default the last), the
 # replica and both load generators on LOAD_CPUS; ISOLATE=1, NOIDLE=1 and LOAD_NICE=N work as in
@@ -33,7 +34,7 @@ resolve() {
   [ -x "$1" ] || { echo "$1 is not an executable (a headroom binary, or nginx)" >&2; exit 1; }
   realpath "$1"
 }
-[ $# = 2 ] || { sed -n 2,20p "$0" >&2; exit 1; }
+[ $# = 2 ] || { awk 'NR > 1 && !/^#/ { exit } NR > 1' "$0" >&2; exit 1; }
 A=$(resolve "$1")
 B=$(resolve "$2")
 cd "$(dirname "$0")/.."
@@ -152,9 +153,13 @@ def per_chunk(name, before, after):
     if wire:
         with open(os.path.join(out, f"{name}-{n}", "wire.json")) as f:
             w = json.load(f)
+        if not w["request_us"]["n"] or not w["event_us"]["n"]:
+            sys.exit(f"repetition {n}: nothing through {name.upper()} was read off the wire "
+                     f"({out}/{name}-{n}/wire.txt)")
         got["wire"] = {k: {q: w[k][q] for q in ("p50", "p90", "p99")}
                        for k in ("request_us", "ttft_share_us", "event_us")}
-        got["wire"]["resent_segments"] = w["resent_segments"]
+        for k in ("resent_segments", "dropped", "broken_flows", "requests_unmatched"):
+            got["wire"][k] = w[k]
     return got
 print(json.dumps({"rep": int(n), "first": first,
                   first: per_chunk(first, c1a, c1b), second: per_chunk(second, c2a, c2b)}))
@@ -191,14 +196,15 @@ print(f"\nB/A, median (range) over {len(reps)} repetitions: user space {summary[
       f"({min(ratios_total):.3f}–{max(ratios_total):.3f})")
 if all("wire" in r["a"] for r in reps):
     print("\nHeld by each proxy, read off the wire, µs (p50 / p90; the same moments for both):\n")
-    print("| rep | A request | B request | A TTFT share | B TTFT share | A every event | B every event | segments sent again, whole capture |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rep | A request | B request | A TTFT share | B TTFT share | A every event | B every event | segments sent again, dropped (whole capture) | flows with a gap, requests unmatched: A; B |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for r in reps:
         a, b = r["a"]["wire"], r["b"]["wire"]
         cell = lambda w, k: f"{w[k]['p50']:.0f} / {w[k]['p90']:.0f}"
         print(f"| {r['rep']} | {cell(a, 'request_us')} | {cell(b, 'request_us')} | {cell(a, 'ttft_share_us')} | "
               f"{cell(b, 'ttft_share_us')} | {cell(a, 'event_us')} | {cell(b, 'event_us')} | "
-              f"{a['resent_segments']} |")
+              f"{a['resent_segments']}, {a['dropped']} | {a['broken_flows']}, {a['requests_unmatched']}; "
+              f"{b['broken_flows']}, {b['requests_unmatched']} |")
     held = {}
     for k in ("request_us", "ttft_share_us", "event_us"):
         for q in ("p50", "p90"):

@@ -13,7 +13,7 @@ use headroom_workload::inspect::{
 };
 use headroom_workload::measure::ResponseMeter;
 use http::{Method, header};
-use pingora::apps::HttpPersistentSettings;
+use pingora::apps::{HttpPersistentSettings, ReusedHttpStream};
 use pingora::connectors::http::Connector;
 use pingora::http::{RequestHeader, ResponseHeader};
 use pingora::protocols::Stream;
@@ -34,9 +34,6 @@ use crate::upstreams::Fleet;
 /// inspected on the blocking pool rather than on an async worker; smaller ones cost less than the
 /// hand-off between threads.
 pub const INSPECT_OFF_WORKER_BYTES: usize = 32 * 1024;
-
-/// How long a client connection is kept open between requests (pingora's default).
-const KEEPALIVE_SECS: u64 = 60;
 
 /// The proxy: shared by every connection.
 pub struct Headroom {
@@ -790,15 +787,21 @@ impl Headroom {
     /// this loop stands where pingora's `HttpProxy` would, without its proxy machinery: headroom
     /// answers every request itself, and the request's future is part of the connection's task,
     /// not a new ~18 KB box per request.
-    pub(crate) async fn serve_connection(&self, stream: Stream, shutdown: &watch::Receiver<bool>) {
-        let mut stream = stream;
+    pub(crate) async fn serve_connection(
+        &self,
+        mut stream: Stream,
+        shutdown: &watch::Receiver<bool>,
+    ) {
         let mut carried: Option<HttpPersistentSettings> = None;
         loop {
             let mut session = Session::new_h1(stream);
             match carried.take() {
                 Some(settings) => settings.apply_to_session(&mut session.downstream_session),
-                // pingora's default for a new connection.
-                None => session.set_keepalive(Some(KEEPALIVE_SECS)),
+                // Kept alive without a timeout of pingora's (0: none): the client connection
+                // (client_conn.rs) bounds each header's read and ends an idle connection after
+                // `timeouts.keepalive_ms` itself, where pingora's timeout would cap that at its
+                // own 60 s and arm a timer for every request's read.
+                None => session.set_keepalive(Some(0)),
             }
             if *shutdown.borrow() {
                 session.set_keepalive(None);
@@ -811,10 +814,15 @@ impl Headroom {
                     if e.etype == pingora::ErrorType::InvalidHTTPHeader {
                         let _ = session.downstream_session.respond_error(400).await;
                     }
+                    // A client gone mid-header is ordinary traffic, not an error of the proxy's.
                     tracing::debug!("client connection: {e}");
                     session.downstream_session.shutdown().await;
                     return;
                 }
+            }
+            if *shutdown.borrow() {
+                // A request that came in as the listener stopped is the connection's last.
+                session.set_keepalive(None);
             }
             if session.req_header().method == Method::CONNECT {
                 // A tunnel changes how the connection is framed: never served.
@@ -829,12 +837,10 @@ impl Headroom {
             let Ok(Some(reusable)) = session.downstream_session.finish().await else {
                 return;
             };
-            let (next, pipelined) = reusable.into_parts();
-            let mut settings = settings;
-            if let Some(prefix) = pipelined {
-                settings.set_pipelined_prefix(prefix);
-            }
-            carried = Some(settings);
+            // The settings carry any bytes of a pipelined next request already read.
+            let (next, settings) =
+                ReusedHttpStream::from_reusable_stream(reusable, settings).consume();
+            carried = settings;
             stream = next;
         }
     }

@@ -2,7 +2,7 @@
 //!
 //! - `server`: `headroom serve` — listeners, accept loop, background loops, admin endpoints
 //! - `admission/`: per-replica caps (AIMD from engine gauges), the priority queue, permits
-//! - `app`: the pingora application; every request is answered in `request_filter`
+//! - `app`: the request handler; each connection's requests read (`serve_connection`) and answered (`answer`)
 //! - `forward`: one request's exchange with the replicas (retries, streaming relay, cancellation)
 //! - `routing/`: pure, synchronous policies and the prefix index
 //! - `upstreams/`: the fleet, in-flight guards, health probes, engine-metrics scraping
