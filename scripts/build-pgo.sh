@@ -37,6 +37,15 @@ fi
   exit 1
 }
 
+# sources_digest: one digest of the workspace's Rust sources and manifests. Counts fit only the code
+# they were taken from: a function changed between the instrumented build and the final one loses
+# its counts (rustc warns of a hash mismatch and optimises it untrained).
+sources_digest() {
+  find . \( -path ./target -o -path ./results -o -path ./.git -o -path "./$OUT" \) -prune -o -type f \
+    \( -name '*.rs' -o -name Cargo.toml -o -name Cargo.lock \) -print | LC_ALL=C sort | xargs sha256sum | sha256sum
+}
+sources=$(sources_digest)
+
 data=$(realpath -m "$OUT/data")
 rm -rf "$data" "$OUT/train"
 mkdir -p "$data" "$OUT/train"
@@ -98,5 +107,9 @@ mv "$OUT/merged.profdata" "$OUT/headroom-$sum.profdata"
 echo "5/5 optimised build ($PROFILE, with the counts)" >&2
 RUSTFLAGS="-Cprofile-use=$(realpath "$OUT/headroom-$sum.profdata")" cargo build --profile "$PROFILE" \
   --locked -q --bin headroom --target "$host" --target-dir "$OUT/use"
+if [ "$(sources_digest)" != "$sources" ]; then
+  echo "the sources changed while the build was trained: its counts do not fit them; run again (nothing copied to $OUT/headroom)" >&2
+  exit 1
+fi
 cp "$OUT/use/$host/$PROFILE/headroom" "$OUT/headroom"
 echo "$OUT/headroom" >&2
