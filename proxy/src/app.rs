@@ -47,7 +47,7 @@ pub struct Headroom {
     pub metrics: Arc<Metrics>,
     /// Pooled upstream connections to replicas reached over TLS; none when the config names no
     /// `https://` replica (building pingora's connector parses the system's CA bundle twice).
-    pub connector: Option<Connector>,
+    pub connector: Option<Arc<Connector>>,
     /// Pooled upstream connections to plaintext replicas.
     pub h1_pool: Arc<crate::upstreams::h1::Pool>,
     /// The config it was built from.

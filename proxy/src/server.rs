@@ -153,8 +153,10 @@ impl ServeHandle {
         };
         // Waits for a scrape being acted on to finish; later ones are dropped.
         hold(true);
+        let began = std::time::Instant::now();
         let next = Generation::start(Arc::new(cfg), &shared, Some(&self.generation))
             .inspect_err(|_| hold(false))?;
+        let built = began.elapsed();
         if let (Some(old), Some(new)) = (&self.generation.live.admission, &next.live.admission) {
             let pairs = next.live.fleet.same_replicas(&self.generation.live.fleet);
             let learned = cap_settings(&self.generation.cfg) == cap_settings(&next.cfg);
@@ -168,7 +170,11 @@ impl ServeHandle {
         let _ = self.live.send(next.live.clone());
         let old = std::mem::replace(&mut self.generation, next);
         old.retire();
-        tracing::info!("config reloaded");
+        tracing::info!(
+            // The new config's build runs on the worker that took the reload.
+            built_ms = (built.as_secs_f64() * 1e6).round() / 1e3,
+            "config reloaded"
+        );
         Ok(())
     }
 
@@ -700,7 +706,12 @@ impl Generation {
         for b in &fleet.backends {
             b.set_capacity(caps.get(b.id).and_then(|(cap, _)| *cap));
         }
-        let (connector, http) = upstream_clients(&cfg)?;
+        let (connector, http) = match previous {
+            Some(p) if clients_carry_over(&p.cfg, &cfg) => {
+                (p.live.app.connector.clone(), p.live.app.http.clone())
+            }
+            _ => upstream_clients(&cfg)?,
+        };
         let inspect = inspect_config(&cfg)?;
         let recorder = Arc::new(crate::record::Recorder {
             metrics: metrics.clone(),
@@ -950,7 +961,26 @@ async fn sweep_loop(pool: Arc<crate::upstreams::h1::Pool>, mut stop: watch::Rece
 /// The connector only when a replica is reached over TLS: the plaintext ones go through
 /// headroom's own client, and building it parses the CA bundle twice (5–9 ms of CPU at each start
 /// and reload of a release build, about 60 ms of a debug build's).
-fn upstream_clients(cfg: &ServeConfig) -> Result<(Option<Connector>, reqwest::Client), ServeError> {
+/// Whether a reload from `old` to `new` keeps the clients it has (the replicas' TLS connector, the
+/// probes' and scrapes' HTTP client): building them parses the system's CA bundle, 5–10 ms of the
+/// reloading worker's time, during which the streams it relays wait. Only when they would come
+/// out the same: the same pool settings, a connector needed by both or neither, and no
+/// certificate files named (a reload reads those again, so a rotated certificate is taken).
+fn clients_carry_over(old: &ServeConfig, new: &ServeConfig) -> bool {
+    let names_files = |c: &ServeConfig| {
+        let u = &c.upstream_tls;
+        u.ca.is_some() || u.cert.is_some() || u.key.is_some()
+    };
+    let needs_connector = |c: &ServeConfig| c.backends.iter().any(|b| b.tls());
+    old.upstream_tls == new.upstream_tls
+        && !names_files(new)
+        && old.timeouts.pool_idle_ms == new.timeouts.pool_idle_ms
+        && needs_connector(old) == needs_connector(new)
+}
+
+fn upstream_clients(
+    cfg: &ServeConfig,
+) -> Result<(Option<Arc<Connector>>, reqwest::Client), ServeError> {
     let u = &cfg.upstream_tls;
     let bad = |why: String| ServeError::Config(format!("upstream_tls: {why}"));
     let read = |path: &str| std::fs::read(path).map_err(|e| bad(format!("reading {path}: {e}")));
@@ -1000,7 +1030,7 @@ fn upstream_clients(cfg: &ServeConfig) -> Result<(Option<Connector>, reqwest::Cl
         .backends
         .iter()
         .any(|b| b.tls())
-        .then(|| Connector::new(Some(options)));
+        .then(|| Arc::new(Connector::new(Some(options))));
     Ok((connector, http))
 }
 
@@ -1426,4 +1456,40 @@ fn admin_router(
                 }
             }),
         )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn config(backends: &[&str]) -> ServeConfig {
+        let urls: Vec<String> = backends.iter().map(|u| (*u).to_owned()).collect();
+        ServeConfig::quick("127.0.0.1:0", &urls, "least_load")
+    }
+
+    #[test]
+    fn a_reload_keeps_its_clients_only_when_they_would_come_out_the_same() {
+        let old = config(&["http://10.0.0.1:8000"]);
+        // Other replicas, another policy: the same clients.
+        let mut new = config(&["http://10.0.0.2:8000", "http://10.0.0.3:8000"]);
+        new.routing.policy = "round_robin".into();
+        assert!(clients_carry_over(&old, &new));
+
+        let mut idle = old.clone();
+        idle.timeouts.pool_idle_ms += 1;
+        assert!(!clients_carry_over(&old, &idle));
+
+        // A replica over TLS needs a connector the old config never built, and back.
+        let tls = config(&["http://10.0.0.1:8000", "https://10.0.0.4:8443"]);
+        assert!(!clients_carry_over(&old, &tls));
+        assert!(!clients_carry_over(&tls, &old));
+        assert!(clients_carry_over(&tls, &tls.clone()));
+
+        // Certificate files are read again at every reload, unchanged names or not: a rotated
+        // certificate is taken.
+        let mut ca = tls.clone();
+        ca.upstream_tls.ca = Some("/etc/headroom/ca.pem".into());
+        assert!(!clients_carry_over(&ca, &ca.clone()));
+        assert!(!clients_carry_over(&tls, &ca));
+    }
 }
