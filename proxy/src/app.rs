@@ -803,9 +803,6 @@ impl Headroom {
                 // own 60 s and arm a timer for every request's read.
                 None => session.set_keepalive(Some(0)),
             }
-            if *shutdown.borrow() {
-                session.set_keepalive(None);
-            }
             match session.downstream_session.read_request().await {
                 Ok(true) => {}
                 // Closed before a request, or an idle keep-alive connection timed out.
@@ -821,7 +818,7 @@ impl Headroom {
                 }
             }
             if *shutdown.borrow() {
-                // A request that came in as the listener stopped is the connection's last.
+                // A request read once the listener stopped is the connection's last.
                 session.set_keepalive(None);
             }
             if session.req_header().method == Method::CONNECT {

@@ -955,29 +955,31 @@ async fn sweep_loop(pool: Arc<crate::upstreams::h1::Pool>, mut stop: watch::Rece
     }
 }
 
-/// The data plane's connector and the HTTP client of probes and scrapes, both trusting
-/// `[upstream_tls] ca` (else the system's roots) for `https://` replicas and presenting its client
-/// certificate when one is set. The files are read here, so a bad one is refused with its reason.
-/// The connector only when a replica is reached over TLS: the plaintext ones go through
-/// headroom's own client, and building it parses the CA bundle twice (5–9 ms of CPU at each start
-/// and reload of a release build, about 60 ms of a debug build's).
 /// Whether a reload from `old` to `new` keeps the clients it has (the replicas' TLS connector, the
 /// probes' and scrapes' HTTP client): building them parses the system's CA bundle, 5–10 ms of the
 /// reloading worker's time, during which the streams it relays wait. Only when they would come
 /// out the same: the same pool settings, a connector needed by both or neither, and no
 /// certificate files named (a reload reads those again, so a rotated certificate is taken).
 fn clients_carry_over(old: &ServeConfig, new: &ServeConfig) -> bool {
-    let names_files = |c: &ServeConfig| {
-        let u = &c.upstream_tls;
-        u.ca.is_some() || u.cert.is_some() || u.key.is_some()
-    };
-    let needs_connector = |c: &ServeConfig| c.backends.iter().any(|b| b.tls());
-    old.upstream_tls == new.upstream_tls
-        && !names_files(new)
+    let u = &new.upstream_tls;
+    let names_files = u.ca.is_some() || u.cert.is_some() || u.key.is_some();
+    old.upstream_tls == *u
+        && !names_files
         && old.timeouts.pool_idle_ms == new.timeouts.pool_idle_ms
-        && needs_connector(old) == needs_connector(new)
+        && needs_tls_connector(old) == needs_tls_connector(new)
 }
 
+/// Whether the config names a replica reached over TLS (the only ones pingora's connector serves).
+fn needs_tls_connector(cfg: &ServeConfig) -> bool {
+    cfg.backends.iter().any(|b| b.tls())
+}
+
+/// The data plane's connector and the HTTP client of probes and scrapes, both trusting
+/// `[upstream_tls] ca` (else the system's roots) for `https://` replicas and presenting its client
+/// certificate when one is set. The files are read here, so a bad one is refused with its reason.
+/// The connector only when a replica is reached over TLS: the plaintext ones go through
+/// headroom's own client, and building it parses the CA bundle twice (5–9 ms of CPU at each start
+/// and reload of a release build, about 60 ms of a debug build's).
 fn upstream_clients(
     cfg: &ServeConfig,
 ) -> Result<(Option<Arc<Connector>>, reqwest::Client), ServeError> {
@@ -1026,11 +1028,7 @@ fn upstream_clients(
     let http = http
         .build()
         .map_err(|e| ServeError::Config(format!("http client: {e}")))?;
-    let connector = cfg
-        .backends
-        .iter()
-        .any(|b| b.tls())
-        .then(|| Arc::new(Connector::new(Some(options))));
+    let connector = needs_tls_connector(cfg).then(|| Arc::new(Connector::new(Some(options))));
     Ok((connector, http))
 }
 
