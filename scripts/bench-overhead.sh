@@ -42,7 +42,9 @@
 #                                                # direct rounds are captured too, and each path's
 #                                                # share of every request's TTFT (the client's TTFT
 #                                                # less the replica's own on the wire) is reported,
-#                                                # free of the replica's lateness on the load core
+#                                                # free of the replica's lateness on the load core;
+#                                                # scripts/overhead_tally.py OUT... counts, over many
+#                                                # such runs, the rounds each proxy held the targets
 #   STOPS=200:2 scripts/bench-overhead.sh        # a noisy machine, made repeatable: in each proxy
 #                                                # round the proxy (every process) is stopped for
 #                                                # 2 ms (SIGSTOP, then SIGCONT) at seeded Poisson
