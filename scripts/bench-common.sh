@@ -86,20 +86,8 @@ start_stream_replica() {
 
 source "$(dirname "${BASH_SOURCE[0]}")/pin.sh"
 
-# need_tcpdump: installs tcpdump when missing (WIRE=1 captures the proxies' loopback traffic) and
-# exits when it cannot capture on lo.
-need_tcpdump() {
-  if ! command -v tcpdump >/dev/null 2>&1; then
-    echo "installing tcpdump (WIRE=1 captures the proxies' loopback traffic)" >&2
-    local sudo=""
-    [ "$(id -u)" = 0 ] || sudo=sudo
-    $sudo apt-get update -qq && $sudo apt-get install -y -qq tcpdump >/dev/null
-  fi
-  if ! grep -q "listening on" <<<"$(timeout 2 tcpdump -Z root -i lo -c 1 -w /dev/null 'tcp port 1' 2>&1)"; then
-    echo "WIRE=1 needs to capture on lo (tcpdump as root, or with CAP_NET_RAW)" >&2
-    exit 2
-  fi
-}
+# need_tcpdump, defined apart so that a script can check for it before its builds.
+source "$(dirname "${BASH_SOURCE[0]}")/tools.sh"
 
 # start_wire_capture PCAP LOG PORT...: captures on lo the TCP packets to or from any PORT that
 # carry a payload or open or end a connection (no bare ACKs), the reader run through wire_on (the

@@ -124,6 +124,22 @@ if ! command -v nginx >/dev/null 2>&1 && [ ! -x /usr/sbin/nginx ]; then
 fi
 NGINX=$(command -v nginx || echo /usr/sbin/nginx)
 WIRE=${WIRE:-0}
+# The tools a run needs, checked before the builds rather than minutes after.
+source scripts/tools.sh
+[ "$WIRE" = 1 ] && need_tcpdump
+if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
+  echo "SYSCALLS=1 needs perf with access to the syscall tracepoints (linux-perf; run as root)" >&2
+  exit 2
+fi
+if [ "${SCHED:-0}" = 1 ] && { [ "${PIN:-0}" != 1 ] || ! perf sched record -q -o /dev/null -- true >/dev/null 2>&1; }; then
+  echo "SCHED=1 needs PIN=1 (it traces the SUT's cores) and perf allowed to record scheduler events (linux-perf; run as root)" >&2
+  exit 2
+fi
+if [ "${PROFILE:-0}" = 1 ] && ! perf record -q -g -o /dev/null -- true >/dev/null 2>&1; then
+  echo "PROFILE=1 needs perf allowed to sample with call graphs (linux-perf; run as root)" >&2
+  exit 2
+fi
+
 cargo build --release --locked -q
 bin=target/release/headroom
 if [ -n "${SERVE_BIN:-}" ] && [ "$SERVE_BIN" = "$(realpath "$bin")" ]; then
@@ -142,25 +158,11 @@ if [ -z "${SERVE_BIN:-}" ]; then
 fi
 
 source scripts/bench-common.sh
-[ "$WIRE" = 1 ] && need_tcpdump
 # WIRE=1's packet capture reads on the load cores (pinned), never on the proxy's.
 wire_on=()
 [ "$PIN" = 1 ] && wire_on=(taskset -c "$LOAD_CPUS")
 
 counted_syscalls="read recvfrom recvmsg write writev sendto sendmsg epoll_wait epoll_pwait epoll_ctl futex accept4 close fcntl setsockopt getsockopt getpeername getsockname ioctl mmap munmap madvise brk sched_yield clock_nanosleep nanosleep"
-if [ "${SYSCALLS:-0}" = 1 ] && ! perf stat -e raw_syscalls:sys_enter -- true >/dev/null 2>&1; then
-  echo "SYSCALLS=1 needs perf with access to the syscall tracepoints (linux-perf; run as root)" >&2
-  exit 2
-fi
-if [ "${SCHED:-0}" = 1 ] && { [ "$PIN" != 1 ] || ! perf sched record -q -o /dev/null -- true >/dev/null 2>&1; }; then
-  echo "SCHED=1 needs PIN=1 (it traces the SUT's cores) and perf allowed to record scheduler events (linux-perf; run as root)" >&2
-  exit 2
-fi
-if [ "${PROFILE:-0}" = 1 ] && ! perf record -q -g -o /dev/null -- true >/dev/null 2>&1; then
-  echo "PROFILE=1 needs perf allowed to sample with call graphs (linux-perf; run as root)" >&2
-  exit 2
-fi
-
 # RATE × DURATION requests (and some slack); with LONG_EVERY=N every Nth prompt is a long one,
 # which the proxy must read and hash whole.
 export LONG_EVERY=${LONG_EVERY:-0}

@@ -46,12 +46,14 @@ SWAP=${SWAP:-0}
 WIRE=${WIRE:-0}
 OUT=${OUT:-results/twin}
 mkdir -p "$OUT"
+# tcpdump checked before the build rather than after it.
+source scripts/tools.sh
+[ "$WIRE" = 1 ] && need_tcpdump
 cargo build --release --locked -q --bin headroom
 bin=target/release/headroom
 PIN=1
 source scripts/bench-common.sh
 [[ "$SUT_CPUS" =~ ^[0-9]+$ ]] || { echo "SUT_CPUS=$SUT_CPUS: the two proxies share one core" >&2; exit 1; }
-[ "$WIRE" = 1 ] && need_tcpdump
 # The capture's reader runs on the load cores.
 wire_on=(taskset -c "$LOAD_CPUS")
 
