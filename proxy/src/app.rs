@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::auth::Keys;
 use crate::error::{ErrorKind, ProxyError};
-use crate::forward::{Ended, HeaderRules, Outgoing};
+use crate::forward::{Ended, HeaderRules, Outgoing, write_within};
 use crate::lifecycle::{Lifecycle, OpenRequest};
 use crate::record::PromptFacts;
 use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
@@ -587,7 +587,13 @@ impl Headroom {
             // An HTTP/1.0 client cannot take an interim response (RFC 9110 §10.1.1).
             && session.req_header().version != http::Version::HTTP_10;
         if expects_continue {
-            let _ = session.as_downstream_mut().write_continue_response().await;
+            let limit = self.client_write_limit();
+            if !write_within(limit, session.as_downstream_mut().write_continue_response()).await {
+                return Err(ProxyError::new(
+                    ErrorKind::ClientBody,
+                    "the client did not take the 100 Continue within timeouts.client_write_ms",
+                ));
+            }
         }
         let mut body = BytesMut::with_capacity(declared.unwrap_or(0).min(max) as usize);
         let budget = Duration::from_millis(self.cfg.timeouts.body_read_ms);
@@ -665,7 +671,15 @@ impl Headroom {
         let body = serde_json::to_vec(&serde_json::json!({"object": "list", "data": data}))
             .unwrap_or_default();
         ctx.status = 200;
-        respond(session, 200, "application/json", body, None).await;
+        respond(
+            session,
+            self.client_write_limit(),
+            200,
+            "application/json",
+            body,
+            None,
+        )
+        .await;
         Ok(())
     }
 }
@@ -700,9 +714,11 @@ fn check_headers(
     ))
 }
 
-/// Writes a complete response; a client that has gone away is not an error worth reporting.
+/// Writes a complete response, each write within `limit`; a client that has gone away is not an
+/// error worth reporting, and one that takes nothing has its connection ended.
 async fn respond(
     session: &mut Session,
+    limit: Duration,
     status: u16,
     content_type: &str,
     body: Vec<u8>,
@@ -725,12 +741,13 @@ async fn respond(
             let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
         }
     }
-    if session
-        .write_response_header(Box::new(resp), false)
-        .await
-        .is_ok()
-    {
-        let _ = session.write_response_body(Some(body.into()), true).await;
+    let written = write_within(limit, session.write_response_header(Box::new(resp), false)).await
+        && write_within(limit, session.write_response_body(Some(body.into()), true)).await;
+    if !written {
+        session.set_keepalive(None);
+        if let Some(conn) = client_conn(session) {
+            conn.abort();
+        }
     }
 }
 
@@ -755,6 +772,11 @@ fn rand_id() -> u64 {
 }
 
 impl Headroom {
+    /// How long a client may take to accept one of the proxy's writes (`timeouts.client_write_ms`).
+    fn client_write_limit(&self) -> Duration {
+        Duration::from_millis(self.cfg.timeouts.client_write_ms)
+    }
+
     fn new_ctx(&self) -> RequestCtx {
         RequestCtx {
             start: Instant::now(),
@@ -809,7 +831,8 @@ impl Headroom {
                 Ok(false) => return,
                 Err(e) => {
                     if e.etype == pingora::ErrorType::InvalidHTTPHeader {
-                        let _ = session.downstream_session.respond_error(400).await;
+                        let limit = self.client_write_limit();
+                        write_within(limit, session.downstream_session.respond_error(400)).await;
                     }
                     // A client gone mid-header is ordinary traffic, not an error of the proxy's.
                     tracing::debug!("client connection: {e}");
@@ -823,7 +846,8 @@ impl Headroom {
             }
             if session.req_header().method == Method::CONNECT {
                 // A tunnel changes how the connection is framed: never served.
-                let _ = session.downstream_session.respond_error(405).await;
+                let limit = self.client_write_limit();
+                write_within(limit, session.downstream_session.respond_error(405)).await;
                 session.downstream_session.shutdown().await;
                 return;
             }
@@ -831,7 +855,12 @@ impl Headroom {
             self.answer(&mut session, &mut ctx).await;
             self.log(&mut session, &mut ctx);
             let settings = HttpPersistentSettings::for_session(&session.downstream_session);
-            let Ok(Some(reusable)) = session.downstream_session.finish().await else {
+            // A body not ended yet gets its end here (a last chunk pingora writes unbounded).
+            let finished = tokio::time::timeout(
+                self.client_write_limit(),
+                session.downstream_session.finish(),
+            );
+            let Ok(Ok(Some(reusable))) = finished.await else {
                 return;
             };
             // The settings carry any bytes of a pipelined next request already read.
@@ -882,7 +911,16 @@ impl Headroom {
                 session.set_keepalive(None);
             }
             if !ctx.response_started {
-                respond(session, e.status(), "application/json", e.body(), Some(&e)).await;
+                let limit = self.client_write_limit();
+                respond(
+                    session,
+                    limit,
+                    e.status(),
+                    "application/json",
+                    e.body(),
+                    Some(&e),
+                )
+                .await;
             }
         }
     }

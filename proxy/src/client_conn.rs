@@ -3,7 +3,8 @@
 //! arrives its whole header must follow within `timeouts.header_read_ms` (slowloris). The first
 //! request of a plaintext connection is bounded before the connection gets here
 //! ([`ConnLimits::read_first_header`]: the accept loop reads the header as it arrives and the
-//! connection replays those bytes first); over TLS the bound applies here from the start.
+//! connection replays those bytes first; a header longer than what is read up front brings what is
+//! left of its time here); over TLS the bound applies here from the start.
 //!
 //! ```text
 //! phase   Off ──(response done)──▶ Idle ──(first byte)──▶ Header ──(header parsed)──▶ Off
@@ -66,8 +67,9 @@ impl ConnLimits {
     /// Each read wakes on the socket's readiness and scans only the bytes it brought, so a header
     /// split across segments is served as its last segment lands, and a client that trickles
     /// costs one wake-up per segment and no re-parse of what came before.
-    pub async fn read_first_header<R: AsyncRead + Unpin>(&self, io: &mut R) -> Option<Vec<u8>> {
+    pub async fn read_first_header<R: AsyncRead + Unpin>(&self, io: &mut R) -> Option<FirstHeader> {
         let max_bytes = self.first_header_bytes;
+        let deadline = tokio::time::Instant::now() + self.header;
         let read = async {
             let mut buf = vec![0u8; max_bytes.min(4096)];
             let mut filled = 0;
@@ -75,7 +77,10 @@ impl ConnLimits {
             loop {
                 if filled == buf.len() {
                     if filled >= max_bytes {
-                        return Some(buf);
+                        return Some(FirstHeader {
+                            bytes: buf,
+                            unfinished_by: Some(deadline),
+                        });
                     }
                     buf.resize((filled * 2).min(max_bytes), 0);
                 }
@@ -85,11 +90,14 @@ impl ConnLimits {
                 }
                 if scan.complete(&buf[..filled]) {
                     buf.truncate(filled);
-                    return Some(buf);
+                    return Some(FirstHeader {
+                        bytes: buf,
+                        unfinished_by: None,
+                    });
                 }
             }
         };
-        match tokio::time::timeout(self.header, read).await {
+        match tokio::time::timeout_at(deadline, read).await {
             Ok(header) => header,
             Err(_) => {
                 self.slow_headers.inc();
@@ -97,6 +105,17 @@ impl ConnLimits {
             }
         }
     }
+}
+
+/// What [`ConnLimits::read_first_header`] read of a new plaintext connection.
+#[derive(Debug)]
+pub struct FirstHeader {
+    /// The bytes read, replayed to the connection's first reads.
+    pub bytes: Vec<u8>,
+    /// Set when the header was handed on before its end (longer than `first_header_bytes`):
+    /// when its time runs out. The rest must still arrive by then, or the read fails as a slow
+    /// header, instead of waiting for as long as the parser's own size limit lets a client trickle.
+    pub unfinished_by: Option<tokio::time::Instant>,
 }
 
 /// Finds a request header's end (its empty line) in bytes that grow between calls, looking only at
@@ -208,12 +227,13 @@ impl ClientConn {
     }
 
     /// A plaintext connection from `peer` whose first request's header has been bounded already;
-    /// `read` is what was read from it meanwhile, served to its first reads.
+    /// `first` is what was read from it meanwhile, served to its first reads (and, for a header
+    /// handed on before its end, when the rest of it is due).
     pub fn plain(
         tcp: tokio::net::TcpStream,
         peer: std::net::SocketAddr,
         limits: ConnLimits,
-        read: Vec<u8>,
+        first: FirstHeader,
     ) -> Self {
         use std::os::fd::AsRawFd;
         // The client's address (X-Forwarded-For) as accept gave it, not asked of the socket again.
@@ -225,14 +245,17 @@ impl ClientConn {
         Self {
             inner: Inner::Plain(PlainTcp {
                 tcp,
-                replay: read,
+                replay: first.bytes,
                 socket,
                 established: SystemTime::now(),
                 proxy: None,
             }),
             ctl: AtomicU8::new(KEEP),
             aborted: AtomicBool::new(false),
-            phase: Phase::Off,
+            phase: match first.unfinished_by {
+                Some(due) => Phase::Header(Box::pin(tokio::time::sleep_until(due))),
+                None => Phase::Off,
+            },
             limits,
             relay: OnceLock::new(),
         }
@@ -681,7 +704,10 @@ mod tests {
             tcp,
             "127.0.0.1:9".parse().expect("addr"),
             limits(),
-            replay.to_vec(),
+            FirstHeader {
+                bytes: replay.to_vec(),
+                unfinished_by: None,
+            },
         )
     }
 
@@ -891,7 +917,9 @@ mod tests {
         tokio::task::yield_now().await;
         assert!(!reading.is_finished(), "waits for the rest of the header");
         client.write_all(b"st: a\r\n\r\nbody").await.expect("write");
-        let read = reading.await.expect("task").expect("a whole header");
+        let first = reading.await.expect("task").expect("a whole header");
+        assert_eq!(first.unfinished_by, None, "a whole header");
+        let read = first.bytes;
         let header = b"POST / HTTP/1.1\r\nHost: a\r\n\r\n";
         assert!(read.starts_with(header));
         assert!(
@@ -928,21 +956,40 @@ mod tests {
         assert!(reader.read_first_header(&mut server).await.is_none());
         assert_eq!(reader.slow_headers.get(), 1, "counted as a slow header");
 
-        // Past `max_bytes` without a blank line: handed on as read, for the header limits (431).
+        // Past `max_bytes` without a blank line: handed on as read, for the header limits (431),
+        // with what is left of its budget: the rest must come by then.
         let (mut client, mut server) = tokio::io::duplex(1 << 16);
         client.write_all(&[b'x'; 100]).await.expect("write");
-        let read = reader
+        let start = tokio::time::Instant::now();
+        let first = reader
             .read_first_header(&mut server)
             .await
             .expect("handed on");
-        assert_eq!(read, vec![b'x'; 64]);
+        assert_eq!(first.bytes, vec![b'x'; 64]);
+        assert_eq!(first.unfinished_by, Some(start + reader.header));
+        let (tcp, mut peer) = pair().await;
+        let mut conn = ClientConn::plain(
+            tcp,
+            "127.0.0.1:9".parse().expect("addr"),
+            reader.clone(),
+            first,
+        );
+        let mut buf = vec![0u8; 64];
+        assert_eq!(conn.read(&mut buf).await.expect("the bytes read first"), 64);
+        // The client trickles one more byte, then stops short of the header's end.
+        peer.write_all(b"y").await.expect("write");
+        assert_eq!(conn.read(&mut buf).await.expect("a byte"), 1);
+        let err = conn.read(&mut buf).await.expect_err("the budget ran out");
+        assert_eq!(err.kind(), std::io::ErrorKind::TimedOut);
+        assert_eq!(tokio::time::Instant::now(), start + reader.header);
+        assert_eq!(reader.slow_headers.get(), 2, "counted as a slow header");
 
         // A client that closes before its header ends: nothing to serve, not a slow header.
         let (mut client, mut server) = tokio::io::duplex(1 << 16);
         client.write_all(b"GET /").await.expect("write");
         drop(client);
         assert!(reader.read_first_header(&mut server).await.is_none());
-        assert_eq!(reader.slow_headers.get(), 1);
+        assert_eq!(reader.slow_headers.get(), 2);
     }
 
     #[tokio::test]

@@ -390,6 +390,18 @@ fn end_client_connection(session: &Session) {
     }
 }
 
+/// One of pingora's writes to the client, within `limit`; false when it failed or ran out of
+/// time, and the caller ends the connection. pingora bounds a body's writes by the session's write
+/// timeout but not a response header's nor a chunked body's last chunk (a plain `write_all`): a
+/// client that reads nothing would hold its request, the admission permit and the replica's slot
+/// for as long as it stays connected.
+pub(crate) async fn write_within<T>(
+    limit: Duration,
+    write: impl std::future::Future<Output = pingora::Result<T>>,
+) -> bool {
+    matches!(tokio::time::timeout(limit, write).await, Ok(Ok(_)))
+}
+
 /// Lets the chunks of streams under way that arrived during this request's last stage go out
 /// before its next one: the task steps back until the runtime has looked for ready sockets
 /// (tokio runs a yielded task again after its next poll of the I/O driver). Without it a chunk
@@ -1262,10 +1274,12 @@ impl Headroom {
         // A chunked body goes to a plaintext client straight to its socket, chunk by chunk
         // (pingora writes the header and the last chunk).
         let direct = chunked_body(session, &resp);
-        if session
-            .write_response_header(Box::new(resp), false)
-            .await
-            .is_err()
+        let write_limit = Duration::from_millis(self.cfg.timeouts.client_write_ms);
+        if !write_within(
+            write_limit,
+            session.write_response_header(Box::new(resp), false),
+        )
+        .await
         {
             return self.client_gone(session, &backend);
         }
@@ -1281,7 +1295,7 @@ impl Headroom {
             Pumped::Complete
         } else {
             let limits = PumpLimits {
-                write_timeout: Duration::from_millis(self.cfg.timeouts.client_write_ms),
+                write_timeout: write_limit,
                 first_byte: Duration::from_millis(self.cfg.timeouts.first_byte_ms),
                 idle: Duration::from_millis(self.cfg.timeouts.idle_ms),
                 max_event: self.cfg.limits.max_event_bytes as usize,
@@ -1322,17 +1336,26 @@ impl Headroom {
         let ended = match pumped {
             Pumped::Complete => None,
             Pumped::ClientGone => Some(self.client_gone(session, &backend)),
-            Pumped::Cut(cut) => Some(self.upstream_cut(session, &backend, is_sse, cut).await),
+            Pumped::Cut(cut) => {
+                // An event can be added to a stream only where its end is the proxy's to write.
+                let can_tell = is_sse && !has_length;
+                Some(
+                    self.upstream_cut(session, &backend, can_tell, cut, write_limit)
+                        .await,
+                )
+            }
         };
         let rest = meter.finish(std::time::Instant::now(), ended.is_none());
         ctx.meter = Some(meter);
         if let Some(ended) = ended {
             return ended;
         }
-        if rest.is_some() && session.write_response_body(rest, false).await.is_err() {
+        if rest.is_some()
+            && !write_within(write_limit, session.write_response_body(rest, false)).await
+        {
             return self.client_gone(session, &backend);
         }
-        if session.write_response_body(None, true).await.is_err() {
+        if !write_within(write_limit, session.write_response_body(None, true)).await {
             return self.client_gone(session, &backend);
         }
         if !is_sse && ctx.status == 200 {
@@ -1365,21 +1388,25 @@ impl Headroom {
         Ended::ClientGone
     }
 
-    /// The replica failed mid-response: a stream gets an SSE error event so the client sees a
-    /// failure rather than a clean end; anything else is cut off.
+    /// The replica failed mid-response: a stream whose end is the proxy's to write (chunked, or
+    /// ended by the close) gets an SSE error event so the client sees a failure rather than a
+    /// clean end; anything else, a stream framed by its length included (an event would be cut
+    /// to fit, or leave the body short on a connection kept for the next response), is cut off.
+    /// An event the client does not take within `write_limit` cuts the connection off too.
     async fn upstream_cut(
         &self,
         session: &mut Session,
         backend: &Backend,
-        is_sse: bool,
+        tell: bool,
         cut: Cut,
+        write_limit: Duration,
     ) -> Ended {
         self.metrics
             .upstream_cut
             .with_label_values(&[&backend.name])
             .inc();
         self.fleet.request_failed(backend);
-        if is_sse {
+        if tell {
             let why = match cut {
                 Cut::Closed => format!("{} closed the stream before it finished", backend.name),
                 Cut::Silent(t) => format!("{} sent nothing for {} ms", backend.name, t.as_millis()),
@@ -1392,14 +1419,21 @@ impl Headroom {
                 "message": why, "type": "UpstreamError", "param": null, "code": 502}});
             let mut buf = Vec::new();
             headroom_workload::sse::write_data(&mut buf, &event.to_string());
-            let _ = session.write_response_body(Some(buf.into()), false).await;
-            let _ = session.write_response_body(None, true).await;
-        } else {
-            // Without SSE framing the only honest signal is an abrupt close: no last chunk that
-            // would make the cut body look whole.
-            session.as_downstream_mut().set_keepalive(None);
-            end_client_connection(session);
+            if write_within(
+                write_limit,
+                session.write_response_body(Some(buf.into()), false),
+            )
+            .await
+                && write_within(write_limit, session.write_response_body(None, true)).await
+            {
+                return Ended::UpstreamCut;
+            }
+            // Part of the event may be out: no last chunk after it, and no next response.
         }
+        // Without an event the only honest signal is an abrupt close: no last chunk that would
+        // make the cut body look whole.
+        session.as_downstream_mut().set_keepalive(None);
+        end_client_connection(session);
         Ended::UpstreamCut
     }
 }

@@ -1095,10 +1095,10 @@ async fn accept_loop(
             let conn = match &tls {
                 None => {
                     let mut tcp = tcp;
-                    let Some(read) = limits.read_first_header(&mut tcp).await else {
+                    let Some(first) = limits.read_first_header(&mut tcp).await else {
                         return;
                     };
-                    ClientConn::plain(tcp, peer, limits, read)
+                    ClientConn::plain(tcp, peer, limits, first)
                 }
                 Some(acceptor) => {
                     let mut stream = pingora::protocols::l4::stream::Stream::from(tcp);

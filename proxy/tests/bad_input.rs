@@ -259,6 +259,76 @@ async fn slow_clients_are_cut_off_without_slowing_others() {
     );
 }
 
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_first_header_past_the_size_read_up_front_is_still_held_to_its_deadline() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |c| {
+        c.timeouts.header_read_ms = 300;
+        c.limits.max_header_bytes = 1024;
+    })
+    .await;
+    // More header than the accept loop reads before handing the connection on (the size limit
+    // and 8 KiB), with no end, then nothing: cut at the header's deadline like any slow header,
+    // instead of waiting as long as the parser's own limit lets a client trickle.
+    let mut tcp = TcpStream::connect(h.addr).await.unwrap();
+    let mut header = b"POST /v1/completions HTTP/1.1\r\nhost: a\r\nx-pad: ".to_vec();
+    header.resize(16 << 10, b'a');
+    tcp.write_all(&header).await.unwrap();
+    let t = Instant::now();
+    let (r, closed) = read_all(&mut tcp, Duration::from_secs(5)).await;
+    assert!(
+        closed,
+        "a header without end held the connection open: {r:?}"
+    );
+    assert!(t.elapsed() < Duration::from_secs(2), "{:?}", t.elapsed());
+    let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    assert_eq!(
+        common::metric(&m, "headroom_slow_header_connections_closed_total"),
+        1.0
+    );
+    assert_eq!(seen.requests(), 0);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_client_that_sends_requests_and_reads_no_answers_is_dropped() {
+    let (url, _seen) = recording_engine().await;
+    let h = proxy(&url, |c| c.timeouts.client_write_ms = 300).await;
+    // Requests the proxy answers itself (404), pipelined without end, never read: once the
+    // socket buffers are full the next answer's header cannot be written, and that write is
+    // bounded like a body's. HEAD requests, so that every answer is a header alone and the write
+    // that stalls is always a header's.
+    let socket = tokio::net::TcpSocket::new_v4().unwrap();
+    socket.set_recv_buffer_size(4096).unwrap();
+    let tcp = socket.connect(h.addr).await.unwrap();
+    let (mut reader, mut writer) = tcp.into_split();
+    let sending = tokio::spawn(async move {
+        let one = b"HEAD /nope HTTP/1.1\r\nhost: a\r\n\r\n";
+        for _ in 0..100_000 {
+            if writer.write_all(one).await.is_err() {
+                return;
+            }
+        }
+        // Held open: a write side closed would end the connection by itself.
+        std::future::pending::<()>().await;
+    });
+    // Time for the buffers to fill and the stalled write to run out.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let mut buf = vec![0u8; 65_536];
+    let ended = tokio::time::timeout(Duration::from_secs(10), async {
+        loop {
+            match reader.read(&mut buf).await {
+                Ok(0) | Err(_) => return,
+                Ok(_) => {}
+            }
+        }
+    })
+    .await;
+    assert!(ended.is_ok(), "the proxy kept a client that reads nothing");
+    sending.abort();
+    let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    assert_eq!(common::metric(&m, "headroom_open_requests"), 0.0, "{m}");
+}
+
 /// The header a simulated replica needs on a request body.
 const JSON: &str = "content-type: application/json\r\n";
 
@@ -606,4 +676,27 @@ async fn a_stream_the_engine_closes_between_events_without_an_end_is_a_cut() {
     assert!(r.contains(" two"), "{r}");
     assert!(r.contains("closed the stream before it finished"), "{r}");
     assert!(!r.contains("[DONE]"), "{r}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_framed_by_its_length_and_cut_short_ends_its_connection() {
+    // An engine that frames an event stream by its length and closes before the length is in:
+    // an error event cannot be added within a length the client already counts on, and a
+    // connection left open would read the next response as the rest of this body.
+    let url = raw_engine(
+        "HTTP/1.1 200 OK\r\ncontent-type: text/event-stream\r\ncontent-length: 500\r\n\r\n\
+         data: {\"choices\":[{\"index\":0,\"text\":\" one\",\"finish_reason\":null}]}\n\n",
+        true,
+    )
+    .await;
+    let h = proxy(&url, |_| {}).await;
+    let body = r#"{"model":"m","prompt":"hello","max_tokens":5,"stream":true}"#;
+    let (r, closed) = exchange(&h, &keepalive_request("", body)).await;
+    assert_eq!(status(&r), 200, "{r}");
+    assert!(r.contains(" one"), "{r}");
+    assert!(
+        closed,
+        "the connection outlived a body cut short of its length: {r:?}"
+    );
+    assert!(!r.contains("closed the stream before it finished"), "{r}");
 }
