@@ -138,8 +138,8 @@ pub struct LogConfig {
 #[serde(deny_unknown_fields, default)]
 pub struct ShutdownConfig {
     /// After SIGTERM the proxy keeps accepting (no request is refused) while `/readyz` answers
-    /// 503 and keep-alive connections are closed after each response, so load balancers take it
-    /// out of rotation; then it stops listening.
+    /// 503, keep-alive connections are closed after each response and idle ones at once, so load
+    /// balancers and clients take it out of rotation; then it stops listening.
     pub drain_ms: u64,
     /// Then open requests (streams included) get this long to finish before the proxy exits.
     pub grace_ms: u64,

@@ -8,7 +8,8 @@
 //!
 //! ```text
 //! phase   Off ──(response done)──▶ Idle ──(first byte)──▶ Header ──(header parsed)──▶ Off
-//! Idle    reads past `keepalive_ms` end the connection quietly (end of file: a closed keep-alive)
+//! Idle    reads past `keepalive_ms`, or once the proxy starts draining, end the connection
+//!         quietly (end of file: a closed keep-alive)
 //! Header  reads past `header_read_ms` from its first byte fail (counted as a slow header)
 //! ```
 //!
@@ -33,6 +34,7 @@ use pingora::protocols::{
 };
 use tokio::io::{AsyncRead, AsyncReadExt, AsyncWrite, ReadBuf};
 use tokio::time::Sleep;
+use tokio_util::sync::WaitForCancellationFutureOwned;
 
 /// No change asked for.
 const KEEP: u8 = 0;
@@ -55,6 +57,8 @@ pub struct ConnLimits {
     pub first_header_bytes: usize,
     /// Counts the connections closed for a slow header.
     pub slow_headers: prometheus::IntCounter,
+    /// Cancelled when the proxy starts draining: an idle connection ends then.
+    pub draining: tokio_util::sync::CancellationToken,
 }
 
 impl ConnLimits {
@@ -156,7 +160,8 @@ impl HeaderScan {
 
 enum Phase {
     Off,
-    Idle(Pin<Box<Sleep>>),
+    /// Until the keep-alive time, or until the proxy starts draining.
+    Idle(Pin<Box<Sleep>>, Pin<Box<WaitForCancellationFutureOwned>>),
     Header(Pin<Box<Sleep>>),
 }
 
@@ -195,7 +200,7 @@ impl std::fmt::Debug for ClientConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let phase = match self.phase {
             Phase::Off => "off",
-            Phase::Idle(_) => "idle",
+            Phase::Idle(..) => "idle",
             Phase::Header(_) => "header",
         };
         let mut d = f.debug_struct("ClientConn");
@@ -335,7 +340,10 @@ impl ClientConn {
         }
         match self.ctl.swap(KEEP, Ordering::Acquire) {
             ARM_IDLE => {
-                self.phase = Phase::Idle(Box::pin(tokio::time::sleep(self.limits.keepalive)));
+                self.phase = Phase::Idle(
+                    Box::pin(tokio::time::sleep(self.limits.keepalive)),
+                    Box::pin(self.limits.draining.clone().cancelled_owned()),
+                );
             }
             DISARM => self.phase = Phase::Off,
             _ => {}
@@ -346,7 +354,7 @@ impl ClientConn {
     /// the proxy has parsed the header (`header_parsed`): a scan for the blank line would be
     /// fooled by the empty lines a parser skips before a request line.
     fn bytes_arrived(&mut self) {
-        if matches!(self.phase, Phase::Idle(_)) {
+        if matches!(self.phase, Phase::Idle(..)) {
             self.phase = Phase::Header(Box::pin(tokio::time::sleep(self.limits.header)));
         }
     }
@@ -448,11 +456,15 @@ impl AsyncRead for ClientConn {
             Poll::Ready(Err(e)) => Poll::Ready(Err(e)),
             Poll::Pending => match &mut this.phase {
                 Phase::Off => Poll::Pending,
-                // Idle past the keep-alive time: the end of the connection, as a client closing it.
-                Phase::Idle(idle) => match idle.as_mut().poll(cx) {
-                    Poll::Ready(()) => Poll::Ready(Ok(())),
-                    Poll::Pending => Poll::Pending,
-                },
+                // Idle past the keep-alive time, or as the proxy starts draining: the end of the
+                // connection, as a client closing it.
+                Phase::Idle(idle, draining) => {
+                    if idle.as_mut().poll(cx).is_ready() || draining.as_mut().poll(cx).is_ready() {
+                        Poll::Ready(Ok(()))
+                    } else {
+                        Poll::Pending
+                    }
+                }
                 Phase::Header(deadline) => match deadline.as_mut().poll(cx) {
                     Poll::Ready(()) => {
                         this.limits.slow_headers.inc();
@@ -695,6 +707,7 @@ mod tests {
             keepalive: Duration::from_secs(5),
             first_header_bytes: 1 << 16,
             slow_headers: prometheus::IntCounter::new("slow", "slow headers").expect("counter"),
+            draining: tokio_util::sync::CancellationToken::new(),
         }
     }
 
@@ -990,6 +1003,44 @@ mod tests {
         drop(client);
         assert!(reader.read_first_header(&mut server).await.is_none());
         assert_eq!(reader.slow_headers.get(), 2);
+    }
+
+    #[tokio::test(start_paused = true)]
+    async fn an_idle_connection_ends_when_draining_starts() {
+        use tokio::io::AsyncWriteExt;
+        let (tcp, mut peer) = pair().await;
+        let lim = limits();
+        let draining = lim.draining.clone();
+        let mut conn = ClientConn::plain(
+            tcp,
+            "127.0.0.1:9".parse().expect("addr"),
+            lim,
+            FirstHeader {
+                bytes: Vec::new(),
+                unfinished_by: None,
+            },
+        );
+        let start = tokio::time::Instant::now();
+        // Between requests: a request that arrives is read as ever.
+        conn.response_done();
+        peer.write_all(b"GET").await.expect("write");
+        let mut buf = [0u8; 8];
+        assert_eq!(conn.read(&mut buf).await.expect("read"), 3);
+        conn.header_parsed();
+        conn.response_done();
+        let reading = tokio::spawn(async move {
+            let n = conn.read(&mut buf).await;
+            (n.map_err(|e| e.kind()), tokio::time::Instant::now())
+        });
+        tokio::time::sleep(Duration::from_secs(1)).await;
+        assert!(!reading.is_finished(), "idle, not ended");
+        draining.cancel();
+        let (n, at) = reading.await.expect("task");
+        assert_eq!(n, Ok(0), "ended as a closed keep-alive");
+        assert!(
+            at - start < limits().keepalive,
+            "ended by the drain, not the idle limit"
+        );
     }
 
     #[tokio::test]

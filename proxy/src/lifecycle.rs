@@ -4,7 +4,7 @@
 //! | phase | listener | `/readyz` | keep-alive | ends |
 //! |---|---|---|---|---|
 //! | serving | accepting | 200 | kept | at SIGTERM |
-//! | announcing | accepting (no request refused) | 503 `draining` | closed after each response | after `shutdown.drain_ms` |
+//! | announcing | accepting (no request refused) | 503 `draining` | closed after each response; idle ones at once | after `shutdown.drain_ms` |
 //! | finishing | closed | 503 | closed | when no request is open, or after `shutdown.grace_ms` |
 //! | closing | closed | 503 | closed | requests still queued (never sent to a replica) are answered 503 `shutting_down` with `Retry-After`; then the rest are cut |
 
@@ -13,11 +13,14 @@ use std::sync::atomic::{AtomicBool, Ordering};
 
 use prometheus::IntGauge;
 use tokio::sync::Notify;
+use tokio_util::sync::CancellationToken;
 
 /// Shared by the application, the admin listener and the handle.
 #[derive(Debug)]
 pub struct Lifecycle {
     draining: AtomicBool,
+    /// Cancelled when draining starts: client connections idle between requests close then.
+    drain_started: CancellationToken,
     queue_closed: AtomicBool,
     queue_closing: Notify,
     /// Requests waiting for admission now.
@@ -31,6 +34,7 @@ impl Lifecycle {
     pub fn new(open: IntGauge) -> Arc<Self> {
         Arc::new(Self {
             draining: AtomicBool::new(false),
+            drain_started: CancellationToken::new(),
             queue_closed: AtomicBool::new(false),
             queue_closing: Notify::new(),
             waiting: std::sync::atomic::AtomicI64::new(0),
@@ -47,6 +51,15 @@ impl Lifecycle {
     /// Starts draining.
     pub fn start_draining(&self) {
         self.draining.store(true, Ordering::Release);
+        self.drain_started.cancel();
+    }
+
+    /// Cancelled once draining starts: a client connection idle between requests then closes at
+    /// once (a client learns it from the close before it would send another request on it, and
+    /// reconnects, through its load balancer, to a proxy that is staying), where it would
+    /// otherwise stay open until its keep-alive time or the process's exit.
+    pub fn drain_started(&self) -> CancellationToken {
+        self.drain_started.clone()
     }
 
     /// Ends the wait of every request queued at the proxy, now and from now on (see

@@ -571,6 +571,7 @@ pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
         keepalive: Duration::from_millis(cfg.timeouts.keepalive_ms),
         first_header_bytes: cfg.limits.max_header_bytes as usize + 8192,
         slow_headers: shared.metrics.slow_headers_closed.clone(),
+        draining: shared.lifecycle.drain_started(),
     };
     // Listening stops on its own signal: a draining proxy still runs everything else.
     let (accept_stop, accept_rx) = watch::channel(false);

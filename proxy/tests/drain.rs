@@ -123,3 +123,53 @@ async fn the_grace_period_bounds_the_drain() {
     assert!(t.elapsed() < Duration::from_secs(3), "{:?}", t.elapsed());
     long.abort();
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn connections_idle_between_requests_close_as_draining_starts() {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let replica = common::sim(30, 15, &[]).await;
+    let h = proxy(replica.url()).await;
+    let addr = h.addr;
+    let body = stream_body(3).to_string();
+    let request = format!(
+        "POST /v1/completions HTTP/1.1\r\nhost: a\r\ncontent-type: application/json\r\n\
+         content-length: {}\r\n\r\n{body}",
+        body.len()
+    );
+    // A connection kept alive after its answer, then idle.
+    let mut idle = tokio::net::TcpStream::connect(addr).await.unwrap();
+    idle.write_all(request.as_bytes()).await.unwrap();
+    let mut got = Vec::new();
+    let mut buf = vec![0u8; 65_536];
+    while !got.ends_with(b"0\r\n\r\n") {
+        let n = idle.read(&mut buf).await.unwrap();
+        assert!(n > 0, "closed before its answer ended");
+        got.extend_from_slice(&buf[..n]);
+    }
+    assert!(String::from_utf8_lossy(&got).contains("data: [DONE]"));
+
+    let draining = tokio::spawn(h.drain(Duration::from_secs(3), Duration::from_secs(1)));
+    // Closed as draining starts, long before the keep-alive time (60 s) and before the
+    // announcing ends (3 s), while the proxy still serves.
+    let t = std::time::Instant::now();
+    let n = tokio::time::timeout(Duration::from_secs(2), idle.read(&mut buf))
+        .await
+        .expect("an idle connection left open while draining")
+        .unwrap_or(0);
+    assert_eq!(n, 0, "an idle connection gets nothing but its end");
+    assert!(
+        t.elapsed() < Duration::from_millis(1500),
+        "{:?}",
+        t.elapsed()
+    );
+    // A new connection meanwhile is still served, and told to close.
+    let (status, done, connection) = stream(
+        reqwest::Client::new(),
+        format!("http://{addr}/v1/completions"),
+        3,
+    )
+    .await;
+    assert_eq!((status, done), (200, true));
+    assert_eq!(connection.as_deref(), Some("close"));
+    draining.await.unwrap();
+}
