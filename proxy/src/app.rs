@@ -589,6 +589,12 @@ impl Headroom {
         if expects_continue {
             let limit = self.client_write_limit();
             if !write_within(limit, session.as_downstream_mut().write_continue_response()).await {
+                // Part of the interim answer may be out: nothing more is written after it, and
+                // the error's answer does not wait on the client a second time.
+                session.set_keepalive(None);
+                if let Some(conn) = client_conn(session) {
+                    conn.abort();
+                }
                 return Err(ProxyError::new(
                     ErrorKind::ClientBody,
                     "the client did not take the 100 Continue within timeouts.client_write_ms",
@@ -836,7 +842,12 @@ impl Headroom {
                     }
                     // A client gone mid-header is ordinary traffic, not an error of the proxy's.
                     tracing::debug!("client connection: {e}");
-                    session.downstream_session.shutdown().await;
+                    // Over TLS the close is written too (close_notify): bounded like any write.
+                    let _ = tokio::time::timeout(
+                        self.client_write_limit(),
+                        session.downstream_session.shutdown(),
+                    )
+                    .await;
                     return;
                 }
             }
@@ -848,7 +859,12 @@ impl Headroom {
                 // A tunnel changes how the connection is framed: never served.
                 let limit = self.client_write_limit();
                 write_within(limit, session.downstream_session.respond_error(405)).await;
-                session.downstream_session.shutdown().await;
+                // Over TLS the close is written too (close_notify): bounded like any write.
+                let _ = tokio::time::timeout(
+                    self.client_write_limit(),
+                    session.downstream_session.shutdown(),
+                )
+                .await;
                 return;
             }
             let mut ctx = self.new_ctx();

@@ -161,7 +161,7 @@ impl HeaderScan {
 enum Phase {
     Off,
     /// Until the keep-alive time, or until the proxy starts draining.
-    Idle(Pin<Box<Sleep>>, Pin<Box<WaitForCancellationFutureOwned>>),
+    Idle(Pin<Box<Sleep>>),
     Header(Pin<Box<Sleep>>),
 }
 
@@ -175,6 +175,8 @@ pub struct ClientConn {
     limits: ConnLimits,
     /// The relay's handle, once a stream has needed one ([`ClientConn::relay_handle`]).
     relay: OnceLock<Arc<RelayClient>>,
+    /// Resolves once the proxy starts draining; made when the connection first waits idle.
+    drain_wait: Option<Pin<Box<WaitForCancellationFutureOwned>>>,
 }
 
 /// What a client connection reads and writes through.
@@ -200,7 +202,7 @@ impl std::fmt::Debug for ClientConn {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
         let phase = match self.phase {
             Phase::Off => "off",
-            Phase::Idle(..) => "idle",
+            Phase::Idle(_) => "idle",
             Phase::Header(_) => "header",
         };
         let mut d = f.debug_struct("ClientConn");
@@ -228,6 +230,7 @@ impl ClientConn {
             phase,
             limits,
             relay: OnceLock::new(),
+            drain_wait: None,
         }
     }
 
@@ -263,6 +266,7 @@ impl ClientConn {
             },
             limits,
             relay: OnceLock::new(),
+            drain_wait: None,
         }
     }
 
@@ -340,10 +344,7 @@ impl ClientConn {
         }
         match self.ctl.swap(KEEP, Ordering::Acquire) {
             ARM_IDLE => {
-                self.phase = Phase::Idle(
-                    Box::pin(tokio::time::sleep(self.limits.keepalive)),
-                    Box::pin(self.limits.draining.clone().cancelled_owned()),
-                );
+                self.phase = Phase::Idle(Box::pin(tokio::time::sleep(self.limits.keepalive)));
             }
             DISARM => self.phase = Phase::Off,
             _ => {}
@@ -354,7 +355,7 @@ impl ClientConn {
     /// the proxy has parsed the header (`header_parsed`): a scan for the blank line would be
     /// fooled by the empty lines a parser skips before a request line.
     fn bytes_arrived(&mut self) {
-        if matches!(self.phase, Phase::Idle(..)) {
+        if matches!(self.phase, Phase::Idle(_)) {
             self.phase = Phase::Header(Box::pin(tokio::time::sleep(self.limits.header)));
         }
     }
@@ -458,7 +459,12 @@ impl AsyncRead for ClientConn {
                 Phase::Off => Poll::Pending,
                 // Idle past the keep-alive time, or as the proxy starts draining: the end of the
                 // connection, as a client closing it.
-                Phase::Idle(idle, draining) => {
+                Phase::Idle(idle) => {
+                    // The connection's one wait for the drain, made at its first idle time and
+                    // kept: a token's clone and drop each take the token tree's lock.
+                    let draining = this.drain_wait.get_or_insert_with(|| {
+                        Box::pin(this.limits.draining.clone().cancelled_owned())
+                    });
                     if idle.as_mut().poll(cx).is_ready() || draining.as_mut().poll(cx).is_ready() {
                         Poll::Ready(Ok(()))
                     } else {
@@ -1041,6 +1047,39 @@ mod tests {
             at - start < limits().keepalive,
             "ended by the drain, not the idle limit"
         );
+    }
+
+    #[tokio::test]
+    async fn a_request_already_in_the_socket_is_read_though_draining_started() {
+        use tokio::io::AsyncWriteExt;
+        let (tcp, mut peer) = pair().await;
+        peer.write_all(b"GET / HTTP/1.1\r\n").await.expect("write");
+        // The bytes are in the socket and the runtime knows it.
+        tcp.readable().await.expect("readable");
+        let lim = limits();
+        lim.draining.cancel();
+        let mut conn = ClientConn::plain(
+            tcp,
+            "127.0.0.1:9".parse().expect("addr"),
+            lim,
+            FirstHeader {
+                bytes: Vec::new(),
+                unfinished_by: None,
+            },
+        );
+        conn.response_done();
+        // The socket is read before the drain is looked at: bytes there are the next request.
+        let mut buf = [0u8; 64];
+        let mut got = Vec::new();
+        while got.len() < 16 {
+            let n = conn.read(&mut buf).await.expect("read");
+            assert!(
+                n > 0,
+                "ended with the request's bytes in the socket: {got:?}"
+            );
+            got.extend_from_slice(&buf[..n]);
+        }
+        assert_eq!(got, b"GET / HTTP/1.1\r\n");
     }
 
     #[tokio::test]
