@@ -719,10 +719,15 @@ mod tests {
 
     /// The proxy's side of a plaintext connection, `replay` read from it already.
     fn plain(tcp: tokio::net::TcpStream, replay: &[u8]) -> ClientConn {
+        plain_held_to(tcp, replay, limits())
+    }
+
+    /// The same, held to `lim`.
+    fn plain_held_to(tcp: tokio::net::TcpStream, replay: &[u8], lim: ConnLimits) -> ClientConn {
         ClientConn::plain(
             tcp,
             "127.0.0.1:9".parse().expect("addr"),
-            limits(),
+            lim,
             FirstHeader {
                 bytes: replay.to_vec(),
                 unfinished_by: None,
@@ -1017,15 +1022,7 @@ mod tests {
         let (tcp, mut peer) = pair().await;
         let lim = limits();
         let draining = lim.draining.clone();
-        let mut conn = ClientConn::plain(
-            tcp,
-            "127.0.0.1:9".parse().expect("addr"),
-            lim,
-            FirstHeader {
-                bytes: Vec::new(),
-                unfinished_by: None,
-            },
-        );
+        let mut conn = plain_held_to(tcp, b"", lim);
         let start = tokio::time::Instant::now();
         // Between requests: a request that arrives is read as ever.
         conn.response_done();
@@ -1058,15 +1055,7 @@ mod tests {
         tcp.readable().await.expect("readable");
         let lim = limits();
         lim.draining.cancel();
-        let mut conn = ClientConn::plain(
-            tcp,
-            "127.0.0.1:9".parse().expect("addr"),
-            lim,
-            FirstHeader {
-                bytes: Vec::new(),
-                unfinished_by: None,
-            },
-        );
+        let mut conn = plain_held_to(tcp, b"", lim);
         conn.response_done();
         // The socket is read before the drain is looked at: bytes there are the next request.
         let mut buf = [0u8; 64];
