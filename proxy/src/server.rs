@@ -501,22 +501,32 @@ pub fn preflight(cfg: &ServeConfig) -> Result<Vec<String>, ServeError> {
     Ok(warnings)
 }
 
-/// Starts pingora's timeout clock ("Timer thread", one tick every 10 ms) from a thread in the
-/// batch scheduling class, whose class it inherits. pingora starts it from whichever thread first
-/// sets a timeout, otherwise a worker: its ticks then preempted the worker relaying streams on a
-/// proxy's core ~10 times a second, where in the batch class they wait until the worker next waits
-/// for its sockets (a timeout fires at most a scheduler tick later, against the clock's 10 ms).
-/// Once per process; a clock already running is left as it is.
-fn start_pingora_clock_in_batch_class() {
+/// pingora's own timeouts (the client session's write timeout, a TLS replica's connect timeout)
+/// of a second or more run on tokio's timer, as every other timer of the proxy does. On pingora's
+/// own ("Timer thread"), the first one started a thread that ticks every 10 ms for the rest of the
+/// process: 100 wake-ups a second on an idle proxy, each taking the proxy's core from its worker.
+/// A sub-second one configured still runs there: its clock is then started from a thread in the
+/// batch scheduling class, whose class it inherits (started from a worker, its ticks preempted the
+/// worker relaying streams; in the batch class they wait until the worker next waits for its
+/// sockets). Once per process; a clock already running is left as it is.
+fn set_up_pingora_timers(cfg: &ServeConfig) {
+    pingora::prelude::fast_timeout::set_fast_timeout_to_tokio_threshold(Some(Duration::ZERO));
+    let sub_second = [cfg.timeouts.client_write_ms, cfg.timeouts.connect_ms]
+        .iter()
+        .any(|&ms| ms < 1000);
+    if !sub_second {
+        return;
+    }
     static STARTED: std::sync::Once = std::sync::Once::new();
     STARTED.call_once(|| {
         let started = std::thread::Builder::new()
             .name("headroom-clock".into())
             .spawn(|| {
                 headroom_workload::realtime::lower_current_thread();
-                // Setting a timeout starts the clock; this one is never polled, so never armed.
+                // Setting a sub-second timeout starts the clock; this one is never polled, so
+                // never armed.
                 drop(pingora::prelude::fast_timeout::fast_timeout(
-                    Duration::from_secs(1),
+                    Duration::from_millis(1),
                     std::future::ready(()),
                 ));
             })
@@ -529,7 +539,6 @@ fn start_pingora_clock_in_batch_class() {
 
 /// Starts the proxy on the current tokio runtime; returns once both listeners are bound.
 pub async fn start(cfg: ServeConfig) -> Result<ServeHandle, ServeError> {
-    start_pingora_clock_in_batch_class();
     let cfg = Arc::new(cfg);
     let metrics = Arc::new(Metrics::new());
     let shared = Shared {
@@ -636,6 +645,7 @@ impl Generation {
         shared: &Shared,
         previous: Option<&Generation>,
     ) -> Result<Self, ServeError> {
+        set_up_pingora_timers(&cfg);
         let mut fleet =
             Fleet::new(&cfg.backends, cfg.health.clone()).map_err(ServeError::Config)?;
         // The replicas both configs name (old id, new id): everything carried over follows them.
