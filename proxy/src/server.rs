@@ -505,16 +505,17 @@ pub fn preflight(cfg: &ServeConfig) -> Result<Vec<String>, ServeError> {
 /// of a second or more run on tokio's timer, as every other timer of the proxy does. On pingora's
 /// own ("Timer thread"), the first one started a thread that ticks every 10 ms for the rest of the
 /// process: 100 wake-ups a second on an idle proxy, each taking the proxy's core from its worker.
-/// A sub-second one configured still runs there: its clock is then started from a thread in the
-/// batch scheduling class, whose class it inherits (started from a worker, its ticks preempted the
-/// worker relaying streams; in the batch class they wait until the worker next waits for its
-/// sockets). Once per process; a clock already running is left as it is.
+/// A sub-second one configured still runs there, and so does the idle watch of pingora's pool of
+/// TLS replica connections: the clock is then started from a thread in the batch scheduling
+/// class, whose class it inherits (started from a worker, its ticks preempted the worker relaying
+/// streams; in the batch class they wait until the worker next waits for its sockets). Once per
+/// process; a clock already running is left as it is.
 fn set_up_pingora_timers(cfg: &ServeConfig) {
     pingora::prelude::fast_timeout::set_fast_timeout_to_tokio_threshold(Some(Duration::ZERO));
     let sub_second = [cfg.timeouts.client_write_ms, cfg.timeouts.connect_ms]
         .iter()
         .any(|&ms| ms < 1000);
-    if !sub_second {
+    if !sub_second && !needs_tls_connector(cfg) {
         return;
     }
     static STARTED: std::sync::Once = std::sync::Once::new();
