@@ -22,7 +22,7 @@ use tokio::sync::watch;
 
 use crate::auth::Keys;
 use crate::error::{ErrorKind, ProxyError};
-use crate::forward::{Ended, HeaderRules, Outgoing, write_within};
+use crate::forward::{Ended, HeaderRules, Outgoing, end_client_connection, write_within};
 use crate::lifecycle::{Lifecycle, OpenRequest};
 use crate::record::PromptFacts;
 use crate::routing::{LeastLoad, RouteRequest, RoutingPolicy};
@@ -591,10 +591,7 @@ impl Headroom {
             if !write_within(limit, session.as_downstream_mut().write_continue_response()).await {
                 // Part of the interim answer may be out: nothing more is written after it, and
                 // the error's answer does not wait on the client a second time.
-                session.set_keepalive(None);
-                if let Some(conn) = client_conn(session) {
-                    conn.abort();
-                }
+                end_client_connection(session);
                 return Err(ProxyError::new(
                     ErrorKind::ClientBody,
                     "the client did not take the 100 Continue within timeouts.client_write_ms",
@@ -750,10 +747,7 @@ async fn respond(
     let written = write_within(limit, session.write_response_header(Box::new(resp), false)).await
         && write_within(limit, session.write_response_body(Some(body.into()), true)).await;
     if !written {
-        session.set_keepalive(None);
-        if let Some(conn) = client_conn(session) {
-            conn.abort();
-        }
+        end_client_connection(session);
     }
 }
 
@@ -779,8 +773,15 @@ fn rand_id() -> u64 {
 
 impl Headroom {
     /// How long a client may take to accept one of the proxy's writes (`timeouts.client_write_ms`).
-    fn client_write_limit(&self) -> Duration {
+    pub(crate) fn client_write_limit(&self) -> Duration {
         Duration::from_millis(self.cfg.timeouts.client_write_ms)
+    }
+
+    /// Closes a connection whose request is not served, within the write limit (over TLS the
+    /// close is written too: close_notify).
+    async fn close(&self, session: &mut Session) {
+        let closing = session.downstream_session.shutdown();
+        let _ = tokio::time::timeout(self.client_write_limit(), closing).await;
     }
 
     fn new_ctx(&self) -> RequestCtx {
@@ -842,12 +843,7 @@ impl Headroom {
                     }
                     // A client gone mid-header is ordinary traffic, not an error of the proxy's.
                     tracing::debug!("client connection: {e}");
-                    // Over TLS the close is written too (close_notify): bounded like any write.
-                    let _ = tokio::time::timeout(
-                        self.client_write_limit(),
-                        session.downstream_session.shutdown(),
-                    )
-                    .await;
+                    self.close(&mut session).await;
                     return;
                 }
             }
@@ -859,12 +855,7 @@ impl Headroom {
                 // A tunnel changes how the connection is framed: never served.
                 let limit = self.client_write_limit();
                 write_within(limit, session.downstream_session.respond_error(405)).await;
-                // Over TLS the close is written too (close_notify): bounded like any write.
-                let _ = tokio::time::timeout(
-                    self.client_write_limit(),
-                    session.downstream_session.shutdown(),
-                )
-                .await;
+                self.close(&mut session).await;
                 return;
             }
             let mut ctx = self.new_ctx();
@@ -902,9 +893,7 @@ impl Headroom {
         }
         session
             .as_downstream_mut()
-            .set_write_timeout(Some(Duration::from_millis(
-                self.cfg.timeouts.client_write_ms,
-            )));
+            .set_write_timeout(Some(self.client_write_limit()));
         // A client that has every byte of a response (a whole JSON body) may send its next
         // request on the connection before the replica's end of stream reaches the proxy. Without
         // pipelining the relay's disconnect watch reads that request's first byte, takes it for a

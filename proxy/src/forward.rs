@@ -381,10 +381,13 @@ fn chunked_body(session: &Session, resp: &ResponseHeader) -> bool {
         && session.req_header().method != http::Method::HEAD
 }
 
-/// Ends the client's connection where it stands (see [`ClientConn::abort`]).
+/// Ends the client's connection where it stands: nothing more is written to it (see
+/// [`ClientConn::abort`]), and it is not kept for another request, which a response with nothing
+/// left to write would otherwise be.
 ///
 /// [`ClientConn::abort`]: crate::client_conn::ClientConn::abort
-fn end_client_connection(session: &Session) {
+pub(crate) fn end_client_connection(session: &mut Session) {
+    session.set_keepalive(None);
     if let Some(conn) = crate::app::client_conn(session) {
         conn.abort();
     }
@@ -1274,7 +1277,7 @@ impl Headroom {
         // A chunked body goes to a plaintext client straight to its socket, chunk by chunk
         // (pingora writes the header and the last chunk).
         let direct = chunked_body(session, &resp);
-        let write_limit = Duration::from_millis(self.cfg.timeouts.client_write_ms);
+        let write_limit = self.client_write_limit();
         if !write_within(
             write_limit,
             session.write_response_header(Box::new(resp), false),
@@ -1379,7 +1382,7 @@ impl Headroom {
     /// The client went away or stopped taking bytes in the middle of a response: the connection
     /// ends as it is (pingora would end the body cleanly after a cut chunk, or wait on a client
     /// that takes nothing).
-    fn client_gone(&self, session: &Session, backend: &Backend) -> Ended {
+    fn client_gone(&self, session: &mut Session, backend: &Backend) -> Ended {
         end_client_connection(session);
         self.metrics
             .client_aborts
@@ -1432,7 +1435,6 @@ impl Headroom {
         }
         // Without an event the only honest signal is an abrupt close: no last chunk that would
         // make the cut body look whole.
-        session.as_downstream_mut().set_keepalive(None);
         end_client_connection(session);
         Ended::UpstreamCut
     }
