@@ -63,10 +63,24 @@ fn words(n: usize, salt: &str) -> String {
     (0..n).map(|i| format!(" {salt}{}", i % 101)).collect()
 }
 
-/// The URL of a port nobody listens on: connections to it are refused.
-fn refused_url() -> String {
-    let l = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    format!("http://{}", l.local_addr().unwrap())
+/// A port bound and never listened on, held for as long as this lives: connections to it are
+/// refused. A port bound and let go would be free for the next listener (another test's replica
+/// or proxy, or an outgoing connection's own end) to take.
+struct Refused(socket2::Socket);
+
+impl Refused {
+    fn new() -> Self {
+        use socket2::{Domain, Socket, Type};
+        let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
+        s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        Self(s)
+    }
+
+    fn url(&self) -> String {
+        let addr = self.0.local_addr().unwrap().as_socket().unwrap();
+        format!("http://{addr}")
+    }
 }
 
 /// Blocks in `backend`'s prefix history, from a proxy's metrics (0 when it has none).
@@ -302,8 +316,8 @@ async fn a_request_pipelined_behind_a_stream_is_answered_after_it() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_dead_or_failing_replica_is_avoided() {
     let live = sim(&[]).await;
-    let dead = refused_url();
-    let p = proxy(&[dead, live.url()], "round_robin", |c| {
+    let dead = Refused::new();
+    let p = proxy(&[dead.url(), live.url()], "round_robin", |c| {
         c.health.interval_ms = 60_000; // passive ejection alone must do it
         c.health.eject_after = 2;
         c.health.max_ejected_fraction = 0.5;
@@ -359,9 +373,9 @@ async fn a_dead_or_failing_replica_is_avoided() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn readiness_waits_for_a_replica_to_pass_a_probe() {
-    let dead = refused_url();
+    let dead = Refused::new();
     // Probes far apart: the replica is presumed healthy for a long time, but never shown to be.
-    let p = proxy(&[dead], "round_robin", |c| {
+    let p = proxy(&[dead.url()], "round_robin", |c| {
         c.health.interval_ms = 60_000;
         c.health.unhealthy_after = 3;
     })
@@ -393,7 +407,7 @@ async fn readiness_waits_for_a_replica_to_pass_a_probe() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_got_it() {
     let live = sim(&[]).await;
-    let dead = refused_url();
+    let dead = Refused::new();
     let tune = |c: &mut ServeConfig| {
         c.health.interval_ms = 60_000;
         c.health.eject_after = 1000;
@@ -402,7 +416,7 @@ async fn a_prompt_retried_past_a_dead_replica_is_in_the_history_of_the_one_that_
     // The same prompts through the live replica alone, and with a dead one listed first: the
     // live replica's history must come out the same.
     let alone = proxy(&[live.url()], "prefix_affinity", tune).await;
-    let both = proxy(&[dead, live.url()], "prefix_affinity", tune).await;
+    let both = proxy(&[dead.url(), live.url()], "prefix_affinity", tune).await;
     let mut blocks = Vec::new();
     for p in [&alone, &both] {
         // Prompts apart from their first block: each cold one's first pick is a hash of it, so

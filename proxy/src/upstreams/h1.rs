@@ -970,9 +970,12 @@ mod tests {
 
     #[tokio::test]
     async fn a_refused_connection_is_a_connect_error_and_nothing_was_sent() {
-        let listener = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-        let addr = listener.local_addr().unwrap();
-        drop(listener);
+        // Bound and held, never listened on: refused, and no other test can take the port.
+        let held =
+            socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
+        held.bind(&SocketAddr::from(([127, 0, 0, 1], 0)).into())
+            .unwrap();
+        let addr = held.local_addr().unwrap().as_socket().unwrap();
         let mut sent = false;
         let e = exchange(&test_pool(), addr, "r", get(), LIMITS, || sent = true)
             .await
