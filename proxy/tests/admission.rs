@@ -105,8 +105,9 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     let p = proxy(r.url()).await;
     let addr = p.addr;
     let admission = p.admission().unwrap();
-    // One long request holds the only slot (~300 ms).
-    let holder = tokio::spawn(send(addr, "default", 60));
+    // One long request holds the only slot (25 s) until it is called off below: however slowly
+    // the steps between run, the slot stays taken through them.
+    let holder = tokio::spawn(send(addr, "default", 5000));
     while admission.slots()[0].1 == 0 {
         tokio::task::yield_now().await;
     }
@@ -130,8 +131,8 @@ async fn a_replica_at_its_cap_queues_by_priority_and_refuses_with_retry_after() 
     assert!(retry.is_some());
     assert!(waited >= Duration::from_millis(50));
 
-    let (s, _, _) = holder.await.unwrap();
-    assert_eq!(s, 200);
+    // The holder hangs up: its slot goes to the queue, the interactive request first.
+    holder.abort();
     let (si, _, ti) = interactive.await.unwrap();
     let (s1, _, t1) = d1.await.unwrap();
     let (s2, _, t2) = d2.await.unwrap();
