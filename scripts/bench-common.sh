@@ -4,7 +4,12 @@
 # PIDs to stop (SIGINT, then wait) when the script exits, however it exits.
 pids=()
 cleanup() {
-  for p in "${pids[@]}"; do kill -INT "$p" 2>/dev/null || true; done
+  # Only the background jobs not waited for yet: a process already waited for is gone, and its
+  # number may be another process's by now.
+  local p running=" $(jobs -p | tr '\n' ' ') "
+  for p in "${pids[@]}"; do
+    if [[ "$running" == *" $p "* ]]; then kill -INT "$p" 2>/dev/null || true; fi
+  done
   wait 2>/dev/null || true
   if declare -F pin_cleanup >/dev/null; then pin_cleanup; fi
 }
