@@ -539,14 +539,8 @@ queue_timeout_ms = 30000
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_replica_back_in_service_takes_the_queued_requests_at_once() {
-    // Replica a's address answers nothing yet (its replica starts later); b is up. The port is
-    // held, bound and not listened on, so that no other test's listener takes it meanwhile; with
-    // address reuse on both, a's listener can bind it beside the holder.
-    let held = socket2::Socket::new(socket2::Domain::IPV4, socket2::Type::STREAM, None).unwrap();
-    held.set_reuse_address(true).unwrap();
-    held.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
-        .unwrap();
-    let a_addr = held.local_addr().unwrap().as_socket().unwrap();
+    // Replica a's address answers nothing yet (its replica starts there later); b is up.
+    let (_held, a_addr) = common::held_port(true);
     let b = sim().await;
     let p = two_replicas(
         &format!("http://{a_addr}"),

@@ -17,12 +17,14 @@ use headroom_workload::kv_events::{KvEvent, encode_batch};
 use serde_json::{Value, json};
 use zeromq::{Socket, SocketRecv, SocketSend, ZmqMessage};
 
-fn free_port() -> u16 {
-    std::net::TcpListener::bind("127.0.0.1:0")
-        .unwrap()
-        .local_addr()
-        .unwrap()
-        .port()
+/// A port for a replica's ZMQ publisher, held until the test binary exits
+/// ([`common::held_port`] with reuse): the replica binds it by number when it starts and again
+/// when it restarts, and nothing else takes it in between.
+fn held_port() -> u16 {
+    static HELD: std::sync::Mutex<Vec<socket2::Socket>> = std::sync::Mutex::new(Vec::new());
+    let (socket, addr) = common::held_port(true);
+    HELD.lock().unwrap().push(socket);
+    addr.port()
 }
 
 /// Event and replay ports of one replica.
@@ -35,8 +37,8 @@ struct Ports {
 impl Ports {
     fn new() -> Self {
         Self {
-            events: free_port(),
-            replay: free_port(),
+            events: held_port(),
+            replay: held_port(),
         }
     }
 

@@ -63,23 +63,21 @@ fn words(n: usize, salt: &str) -> String {
     (0..n).map(|i| format!(" {salt}{}", i % 101)).collect()
 }
 
-/// A port bound and never listened on, held for as long as this lives: connections to it are
-/// refused. A port bound and let go would be free for the next listener (another test's replica
-/// or proxy, or an outgoing connection's own end) to take.
-struct Refused(socket2::Socket);
+/// A replica that refuses connections: a port held for as long as this lives
+/// ([`common::held_port`]).
+struct Refused {
+    _held: socket2::Socket,
+    addr: std::net::SocketAddr,
+}
 
 impl Refused {
     fn new() -> Self {
-        use socket2::{Domain, Socket, Type};
-        let s = Socket::new(Domain::IPV4, Type::STREAM, None).unwrap();
-        s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
-            .unwrap();
-        Self(s)
+        let (_held, addr) = common::held_port(false);
+        Self { _held, addr }
     }
 
     fn url(&self) -> String {
-        let addr = self.0.local_addr().unwrap().as_socket().unwrap();
-        format!("http://{addr}")
+        format!("http://{}", self.addr)
     }
 }
 

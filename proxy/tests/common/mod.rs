@@ -44,6 +44,25 @@ pub async fn sim(ttft_ms: u32, itl_ms: u32, extra: &[&str]) -> RunningReplica {
     .expect("the replica starts")
 }
 
+/// A loopback port bound and never listened on, held for as long as the returned socket lives:
+/// connections to it are refused, and no other bind to port 0 takes it meanwhile (a port bound
+/// and let go is free for the next one, another test's replica or proxy among them). With
+/// `reuse`, a listener that sets address reuse too, as tokio's does, can still bind it by
+/// number: a replica that starts there later, or starts again.
+pub fn held_port(reuse: bool) -> (socket2::Socket, std::net::SocketAddr) {
+    use socket2::{Domain, Socket, Type};
+    let s = Socket::new(Domain::IPV4, Type::STREAM, None).expect("a socket");
+    s.set_reuse_address(reuse).expect("address reuse");
+    s.bind(&std::net::SocketAddr::from(([127, 0, 0, 1], 0)).into())
+        .expect("a loopback port");
+    let addr = s
+        .local_addr()
+        .unwrap()
+        .as_socket()
+        .expect("an IPv4 address");
+    (s, addr)
+}
+
 /// The value of the unlabelled metric `name` in a Prometheus exposition (NaN when absent).
 pub fn metric(exposition: &str, name: &str) -> f64 {
     exposition
