@@ -185,8 +185,8 @@ async fn bodies_are_bounded_framed_once_and_json() {
 async fn slow_clients_are_cut_off_without_slowing_others() {
     let (url, seen) = recording_engine().await;
     let h = proxy(&url, |c| {
-        c.timeouts.header_read_ms = 300;
-        c.timeouts.body_read_ms = 300;
+        c.timeouts.header_read_ms = 1500;
+        c.timeouts.body_read_ms = 1500;
     })
     .await;
 
@@ -201,11 +201,11 @@ async fn slow_clients_are_cut_off_without_slowing_others() {
             .unwrap();
         slow.push(tcp);
     }
-    // Meanwhile a real request is answered.
+    // Meanwhile a real request is answered, well before the slow ones' deadline.
     let t = Instant::now();
     assert_eq!(status(&exchange(&h, &request("", BODY)).await.0), 200);
     assert!(
-        t.elapsed() < Duration::from_millis(250),
+        t.elapsed() < Duration::from_millis(1000),
         "{:?}",
         t.elapsed()
     );

@@ -50,11 +50,12 @@ async fn draining_refuses_nothing_and_lets_open_streams_finish() {
     let metrics = h.metrics.clone();
     let client = reqwest::Client::new();
 
-    // 100 open streams of ~1.5 s each.
+    // 100 open streams of ~6 s each: all still open once the last has started, however slowly
+    // the machine opens them, and through the announce below.
     let open: Vec<_> = (0..100)
-        .map(|_| tokio::spawn(stream(client.clone(), url.clone(), 100)))
+        .map(|_| tokio::spawn(stream(client.clone(), url.clone(), 400)))
         .collect();
-    for _ in 0..200 {
+    for _ in 0..1000 {
         if h.lifecycle.open() >= 100 {
             break;
         }
@@ -63,7 +64,8 @@ async fn draining_refuses_nothing_and_lets_open_streams_finish() {
     assert!(h.lifecycle.open() >= 100, "{} open", h.lifecycle.open());
 
     let lifecycle = h.lifecycle.clone();
-    let drained = tokio::spawn(h.drain(Duration::from_millis(800), Duration::from_secs(20)));
+    // Announced for 3 s: time enough for the 20 requests below (0.5 s apart from their sends).
+    let drained = tokio::spawn(h.drain(Duration::from_secs(3), Duration::from_secs(20)));
     while !lifecycle.draining() {
         tokio::task::yield_now().await;
     }

@@ -63,6 +63,22 @@ pub fn held_port(reuse: bool) -> (socket2::Socket, std::net::SocketAddr) {
     (s, addr)
 }
 
+/// Polls `cond` every 20 ms for up to 10 s; the state it waits for is reached asynchronously by
+/// another process-like component (a replica noticing a closed connection), which offers no event.
+pub async fn eventually<F, Fut>(what: &str, mut cond: F)
+where
+    F: FnMut() -> Fut,
+    Fut: std::future::Future<Output = bool>,
+{
+    for _ in 0..500 {
+        if cond().await {
+            return;
+        }
+        tokio::time::sleep(Duration::from_millis(20)).await;
+    }
+    panic!("timed out waiting for {what}");
+}
+
 /// The value of the unlabelled metric `name` in a Prometheus exposition (NaN when absent).
 pub fn metric(exposition: &str, name: &str) -> f64 {
     exposition
