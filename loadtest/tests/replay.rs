@@ -325,7 +325,8 @@ async fn a_stopped_run_sends_nothing_more_and_returns_what_finished() {
     use std::time::{Duration, Instant};
 
     let r = sim().await;
-    // 400 requests over 20 s; the run is stopped half a second in.
+    // 400 requests over 20 s; the run is stopped once one has finished (however long the machine
+    // takes to get there), or 10 s in.
     let records = synthesize(Contract::Chat, 400, 20.0, 5);
     let stop = Arc::new(AtomicBool::new(false));
     let opts = ReplayOptions {
@@ -345,17 +346,22 @@ async fn a_stopped_run_sends_nothing_more_and_returns_what_finished() {
         prestage: false,
         stop: stop.clone(),
     };
-    let flag = stop.clone();
-    tokio::spawn(async move {
-        tokio::time::sleep(Duration::from_millis(500)).await;
+    let counters = Arc::new(replay::Counters::default());
+    let (flag, seen) = (stop.clone(), counters.clone());
+    let stopper = tokio::spawn(async move {
+        let t0 = Instant::now();
+        while seen.done.load(Ordering::Relaxed) == 0 && t0.elapsed() < Duration::from_secs(10) {
+            tokio::time::sleep(Duration::from_millis(10)).await;
+        }
         flag.store(true, Ordering::Relaxed);
+        Instant::now()
     });
-    let t0 = Instant::now();
-    let results = replay::run(records, opts, Arc::default()).await;
+    let results = replay::run(records, opts, counters).await;
+    let stopped = stopper.await.unwrap();
     assert!(
-        t0.elapsed() < Duration::from_millis(500) + STOP_GRACE + Duration::from_secs(2),
-        "{:?}",
-        t0.elapsed()
+        stopped.elapsed() < STOP_GRACE + Duration::from_secs(2),
+        "{:?} after the stop",
+        stopped.elapsed()
     );
     assert!(
         !results.is_empty() && results.len() < 100,
