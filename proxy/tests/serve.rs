@@ -477,14 +477,15 @@ async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
     // A long wait for the first token is bounded by the first-byte timeout, not the idle one; a
     // stream that falls silent after it started is cut with an error event.
     let p3 = proxy(&[b.url()], "round_robin", |c| {
-        c.timeouts.idle_ms = 150;
+        // Idle 1 s: longer than any stall a loaded machine puts into a healthy stream.
+        c.timeouts.idle_ms = 1000;
         c.timeouts.first_byte_ms = 10_000;
     })
     .await;
     let url3 = format!("http://{}/v1/chat/completions", p3.addr);
     let slow_start = client()
         .post(&url3)
-        .header("x-headroom-fault", "stall-first-ms=400")
+        .header("x-headroom-fault", "stall-first-ms=2000")
         .json(&chat("s", "q", 3, true))
         .send()
         .await
@@ -495,7 +496,7 @@ async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
     assert!(slow_start.ends_with("data: [DONE]\n\n"), "{slow_start}");
     let stalls = client()
         .post(&url3)
-        .header("x-headroom-fault", "stall-after=2,stall-ms=2000")
+        .header("x-headroom-fault", "stall-after=2,stall-ms=5000")
         .json(&chat("s", "q", 5, true))
         .send()
         .await
@@ -503,7 +504,7 @@ async fn retries_a_503_on_another_replica_and_reports_faults_mid_stream() {
         .text()
         .await
         .unwrap();
-    assert!(stalls.contains("sent nothing for 150 ms"), "{stalls}");
+    assert!(stalls.contains("sent nothing for 1000 ms"), "{stalls}");
     assert!(!stalls.contains("[DONE]"), "{stalls}");
     p3.shutdown().await;
 
@@ -797,7 +798,9 @@ async fn proxies_that_poll_each_other_route_around_each_others_work() {
     let config = |addresses| {
         peers_config(&urls, addresses, |p| {
             p.interval_ms = 20;
-            p.expire_ms = 1000;
+            // Long enough that a loaded machine's stall does not expire a live peer meanwhile;
+            // the expiry at the end is waited for.
+            p.expire_ms = 3000;
         })
     };
     let mut a = headroom_proxy::start(config(vec![])).await.unwrap();
