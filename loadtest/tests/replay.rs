@@ -325,8 +325,8 @@ async fn a_stopped_run_sends_nothing_more_and_returns_what_finished() {
     use std::time::{Duration, Instant};
 
     let r = sim().await;
-    // 400 requests over 20 s; the run is stopped once one has finished (however long the machine
-    // takes to get there), or 10 s in.
+    // 400 requests over 20 s; the run is stopped 300 ms after its first send (however long the
+    // machine takes to get there).
     let records = synthesize(Contract::Chat, 400, 20.0, 5);
     let stop = Arc::new(AtomicBool::new(false));
     let opts = ReplayOptions {
@@ -350,22 +350,30 @@ async fn a_stopped_run_sends_nothing_more_and_returns_what_finished() {
     let (flag, seen) = (stop.clone(), counters.clone());
     let stopper = tokio::spawn(async move {
         let t0 = Instant::now();
-        while seen.done.load(Ordering::Relaxed) == 0 && t0.elapsed() < Duration::from_secs(10) {
+        while seen.sent.load(Ordering::Relaxed) == 0 && t0.elapsed() < Duration::from_secs(10) {
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
+        tokio::time::sleep(Duration::from_millis(300)).await;
         flag.store(true, Ordering::Relaxed);
-        Instant::now()
+        (Instant::now(), seen.sent.load(Ordering::Relaxed))
     });
-    let results = replay::run(records, opts, counters).await;
-    let stopped = stopper.await.unwrap();
+    let results = replay::run(records, opts, counters.clone()).await;
+    let (stopped, sent_by_then) = stopper.await.unwrap();
     assert!(
         stopped.elapsed() < STOP_GRACE + Duration::from_secs(2),
         "{:?} after the stop",
         stopped.elapsed()
     );
+    // Nothing more after the stop but what was already handed over to go at its time (10 ms
+    // ahead: a request or two at this rate).
+    let sent = counters.sent.load(Ordering::Relaxed);
     assert!(
-        !results.is_empty() && results.len() < 100,
-        "{} results",
+        sent <= sent_by_then + 3,
+        "{sent} sent, {sent_by_then} by the stop"
+    );
+    assert!(
+        !results.is_empty() && results.len() <= sent,
+        "{} results of {sent} sent",
         results.len()
     );
     assert!(results.iter().all(|r| r.timing.failure.is_none()));
