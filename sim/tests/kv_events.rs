@@ -19,14 +19,18 @@ fn free_port() -> u16 {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn stored_blocks_are_published_with_request_side_hashes() {
-    let (port, replay_port) = (free_port(), free_port());
+    // A loopback endpoint without `*` connects, as vLLM's publisher does: bind the subscriber
+    // first, on a port of its own choosing (one picked free and bound later could be taken
+    // meanwhile).
+    let mut sub = zeromq::SubSocket::new();
+    let zeromq::Endpoint::Tcp(_, port) = sub.bind("tcp://127.0.0.1:0").await.unwrap() else {
+        panic!("a TCP endpoint");
+    };
+    sub.subscribe("").await.unwrap();
+    let replay_port = free_port();
     let config = json!({"enable_kv_cache_events": true, "publisher": "zmq",
         "endpoint": format!("tcp://127.0.0.1:{port}"), "replay_endpoint": format!("tcp://127.0.0.1:{replay_port}"),
         "topic": "kv"});
-    // A loopback endpoint without `*` connects, as vLLM's publisher does: bind the subscriber first.
-    let mut sub = zeromq::SubSocket::new();
-    sub.bind(&format!("tcp://127.0.0.1:{port}")).await.unwrap();
-    sub.subscribe("").await.unwrap();
     let args = SimArgs::from_flags([
         "--latency-model",
         "constant",
