@@ -777,11 +777,15 @@ impl Headroom {
         Duration::from_millis(self.cfg.timeouts.client_write_ms)
     }
 
-    /// Closes a connection whose request is not served, within the write limit (over TLS the
-    /// close is written too: close_notify).
-    async fn close(&self, session: &mut Session) {
-        let closing = session.downstream_session.shutdown();
-        let _ = tokio::time::timeout(self.client_write_limit(), closing).await;
+    /// Closes a connection whose request is not served, after pingora's short answer `status`
+    /// when there is one; each write within the write limit (over TLS the close is written too:
+    /// close_notify).
+    async fn close(&self, session: &mut Session, status: Option<u16>) {
+        let limit = self.client_write_limit();
+        if let Some(status) = status {
+            write_within(limit, session.downstream_session.respond_error(status)).await;
+        }
+        let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
     }
 
     fn new_ctx(&self) -> RequestCtx {
@@ -837,13 +841,10 @@ impl Headroom {
                 // Closed before a request, or an idle keep-alive connection timed out.
                 Ok(false) => return,
                 Err(e) => {
-                    if e.etype == pingora::ErrorType::InvalidHTTPHeader {
-                        let limit = self.client_write_limit();
-                        write_within(limit, session.downstream_session.respond_error(400)).await;
-                    }
                     // A client gone mid-header is ordinary traffic, not an error of the proxy's.
                     tracing::debug!("client connection: {e}");
-                    self.close(&mut session).await;
+                    let malformed = e.etype == pingora::ErrorType::InvalidHTTPHeader;
+                    self.close(&mut session, malformed.then_some(400)).await;
                     return;
                 }
             }
@@ -853,9 +854,7 @@ impl Headroom {
             }
             if session.req_header().method == Method::CONNECT {
                 // A tunnel changes how the connection is framed: never served.
-                let limit = self.client_write_limit();
-                write_within(limit, session.downstream_session.respond_error(405)).await;
-                self.close(&mut session).await;
+                self.close(&mut session, Some(405)).await;
                 return;
             }
             let mut ctx = self.new_ctx();
