@@ -2,7 +2,7 @@
 SHELL := /bin/bash
 CARGO ?= cargo
 
-.PHONY: demo test setup check check-deploy bench guidellm pgo
+.PHONY: demo test setup check check-deploy clients python-venv bench guidellm pgo
 
 ## Install system packages a fresh Debian/Ubuntu machine lacks (cmake and a C toolchain build
 ## pingora's dependencies; python3 runs the benchmark scripts and their tests). Skipped when
@@ -38,20 +38,35 @@ check: setup
 ## (rendered, then validated strictly against the Kubernetes schemas). Installs promtool (Debian's
 ## prometheus package) and kubernetes-validate (PyPI, in .cache/deploy-venv) when missing.
 DEPLOY_VENV := .cache/deploy-venv
-check-deploy: setup
+check-deploy: setup python-venv
 	@command -v promtool >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends prometheus; }
 	promtool check rules deploy/prometheus/alerts.yaml
 	cd deploy/prometheus && promtool test rules alerts.test.yaml
-	@python3 -c "import ensurepip, venv" 2>/dev/null || { \
-	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-venv; }
 	@[ -x $(DEPLOY_VENV)/bin/python ] || python3 -m venv $(DEPLOY_VENV)
 	@$(DEPLOY_VENV)/bin/python -c "import kubernetes_validate, yaml" 2>/dev/null || \
 	  $(DEPLOY_VENV)/bin/pip install -q kubernetes-validate==1.37.0 pyyaml
 	$(CARGO) build --locked --bin headroom
 	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom target/debug/headroom
+
+## The official OpenAI Python client (PyPI `openai`, pinned, in .cache/clients-venv) through the
+## proxy, call by call against the same client straight to a simulated replica (docs/proxy.md#clients).
+CLIENTS_VENV := .cache/clients-venv
+OPENAI_VERSION := 3.63.0
+clients: setup python-venv
+	@[ -x $(CLIENTS_VENV)/bin/python ] || python3 -m venv $(CLIENTS_VENV)
+	@$(CLIENTS_VENV)/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '$(OPENAI_VERSION)')" 2>/dev/null || \
+	  $(CLIENTS_VENV)/bin/pip install -q openai==$(OPENAI_VERSION)
+	$(CARGO) build --locked --bin headroom
+	@mkdir -p results/clients && $(CLIENTS_VENV)/bin/pip freeze >results/clients/pip-freeze.txt
+	$(CLIENTS_VENV)/bin/python scripts/check_clients.py --headroom target/debug/headroom --out results/clients
+
+## Python's venv module, which Debian ships apart (python3-venv).
+python-venv:
+	@python3 -c "import ensurepip, venv" 2>/dev/null || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq python3-venv; }
 
 ## The proxy built with profile-guided optimisation, trained on simulated replicas
 ## (target/pgo/headroom; see docs/deployment.md).
