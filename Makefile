@@ -50,14 +50,20 @@ check-deploy: setup python-venv
 	$(CARGO) build --locked --bin headroom
 	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom target/debug/headroom
 
-## The official OpenAI Python client (PyPI `openai`, pinned, in .cache/clients-venv) through the
-## proxy, call by call against the same client straight to a simulated replica (docs/proxy.md#clients).
+## The official OpenAI clients through the proxy, call by call against the same client straight to
+## a simulated replica (docs/proxy.md#clients): Python's (PyPI `openai`, pinned, in
+## .cache/clients-venv) and Node's (npm `openai`, pinned by scripts/clients-node/package-lock.json;
+## Node.js and npm from apt when missing).
 CLIENTS_VENV := .cache/clients-venv
 OPENAI_VERSION := 3.63.0
 clients: setup python-venv
 	@[ -x $(CLIENTS_VENV)/bin/python ] || python3 -m venv $(CLIENTS_VENV)
 	@$(CLIENTS_VENV)/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '$(OPENAI_VERSION)')" 2>/dev/null || \
 	  $(CLIENTS_VENV)/bin/pip install -q openai==$(OPENAI_VERSION)
+	@{ command -v node && command -v npm; } >/dev/null 2>&1 || { \
+	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nodejs npm; }
+	cd scripts/clients-node && npm ci --no-audit --no-fund --silent
 	$(CARGO) build --locked --bin headroom
 	@mkdir -p results/clients && $(CLIENTS_VENV)/bin/pip freeze >results/clients/pip-freeze.txt
 	$(CLIENTS_VENV)/bin/python scripts/check_clients.py --headroom target/debug/headroom --out results/clients

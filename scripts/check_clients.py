@@ -13,6 +13,8 @@ client sees through the proxy is checked against what it sees without it, call b
   | unknown route        | NotFoundError in the OpenAI error shape, from the proxy                  |
   | concurrency          | N async streams at once, every one complete                              |
   | early close          | the client closing a stream mid-way frees the replica and the proxy      |
+  | node client          | the official Node client (undici's HTTP/1.1): the same calls, as direct;  |
+  |                      | N streams at once, every other one aborted mid-way, none left running    |
   | rate limit           | 429 with Retry-After; the client's own retry honours it and succeeds     |
   | queue full, deadline | RateLimitError (429) and InternalServerError (503), each with Retry-After |
   | capture              | the client's requests are in the capture; its prompt text is not          |
@@ -21,7 +23,9 @@ The replica is `headroom sim` with fixed step times; two proxies stand in front 
 client API keys (one of them rate-limited) and the capture on, one with an admission cap of a
 single request for the refusals. Exit status 1 when any check fails, with what differed.
 
-    python3 scripts/check_clients.py --headroom target/debug/headroom [--streams 64]
+    python3 scripts/check_clients.py --headroom target/debug/headroom [--streams 64] [--node off]
+
+The Node client is installed by `make clients` (`npm ci` in scripts/clients-node).
 """
 
 import argparse
@@ -237,6 +241,38 @@ def check_early_close(proxy, replica_url, admin):
     return "closed after 3 chunks: the replica and the proxy back to 0 requests, one client abort counted"
 
 
+def check_node(node_dir, streams, direct_url, proxy_url, admin):
+    """The official Node client (its own HTTP stack, undici's fetch): the same calls direct and
+    through headroom, then `streams` streams at once, every other one aborted by the client."""
+    script = node_dir / "check.mjs"
+    expect((node_dir / "node_modules" / "openai").is_dir(), f"no openai package in {node_dir}: run `make clients` (npm ci there)")
+    aborts = metric(get(admin + "/metrics"), "headroom_client_aborts_total")
+
+    def run(url):
+        r = subprocess.run(["node", str(script), url, KEY, str(streams), CANARY], capture_output=True, text=True, timeout=120)
+        expect(r.returncode == 0, f"node {script} {url}: exit {r.returncode}\n{r.stderr[-2000:]}")
+        return json.loads(r.stdout)
+
+    d, p = run(direct_url), run(proxy_url)
+    for key in d:
+        same(f"node: {key}", d[key], p.get(key))
+    expect(p["chat stream, usage not asked"]["usage"] == [], f"node: usage not asked but received: {p}")
+    expect(p["concurrent"] == {"complete": streams - streams // 2, "aborted": streams // 2}, f"node: {p['concurrent']}")
+    eventually(
+        "the replica's running requests back to 0 after the Node client's aborts",
+        lambda: metric(get(direct_url + "/metrics"), "vllm:num_requests_running") == 0,
+        timeout=5,
+    )
+    eventually("headroom_open_requests back to 0", lambda: metric(get(admin + "/metrics"), "headroom_open_requests") == 0)
+    after = metric(get(admin + "/metrics"), "headroom_client_aborts_total")
+    expect(after == aborts + streams // 2, f"headroom_client_aborts_total {aborts} -> {after}, {streams // 2} aborted")
+    version = json.loads((node_dir / "node_modules" / "openai" / "package.json").read_text())["version"]
+    return (
+        f"openai {version} on Node {subprocess.run(['node', '--version'], capture_output=True, text=True).stdout.strip()}: "
+        f"every call as direct; {streams} streams, {streams // 2} aborted after three chunks and counted, none left running"
+    )
+
+
 def check_rate_limit(base, admin):
     no_retry = openai.OpenAI(base_url=base + "/v1", api_key=LIMITED_KEY, max_retries=0, timeout=30)
     no_retry.completions.create(**completion_args())  # spends the burst of 1
@@ -280,20 +316,25 @@ def check_refusals(base):
     return "; ".join(out)
 
 
-def check_capture(path, served):
+def check_capture(path, served, gone):
     text = pathlib.Path(path).read_text()
     records = [json.loads(line) for line in text.splitlines() if line.strip()]
     expect(len(records) == served, f"{len(records)} capture records for {served} requests served")
-    closed = [r for r in records if r["status"] == 499]
-    expect(len(closed) == 1, f"{len(closed)} records of a client gone (499), expected the early close's one")
+    closed = sum(1 for r in records if r["status"] == 499)
+    expect(closed == gone, f"{closed} records of a client gone (499), expected {gone}")
     expect(CANARY not in text, "the prompt's canary string is in the capture")
-    return f"{len(records)} records for {served} requests served (one a client gone, 499), no prompt text"
+    return f"{len(records)} records for {served} requests served ({gone} of clients gone, 499), no prompt text"
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--headroom", default="target/debug/headroom", help="the headroom binary")
     ap.add_argument("--streams", type=int, default=64, help="concurrent streams for the concurrency check")
+    ap.add_argument(
+        "--node",
+        default=str(pathlib.Path(__file__).resolve().parent / "clients-node"),
+        help="directory of check.mjs with the Node client installed (npm ci); 'off' skips the Node client",
+    )
     ap.add_argument("--out", help="directory for the logs and the capture (default: a temporary one)")
     args = ap.parse_args()
     out = pathlib.Path(args.out or tempfile.mkdtemp(prefix="headroom-clients-"))
@@ -338,6 +379,11 @@ def main():
             ("calls", lambda: check_calls(direct, through)),
             ("concurrency", lambda: asyncio.run(check_concurrency(proxy.url, args.streams))),
             ("early close", lambda: check_early_close(through, sim.url, admin)),
+            *(
+                []
+                if args.node == "off"
+                else [("node client", lambda: check_node(pathlib.Path(args.node), args.streams, sim.url, proxy.url, admin))]
+            ),
             ("rate limit", lambda: check_rate_limit(proxy.url, admin)),
             ("queue full, deadline", lambda: check_refusals(tight.url)),
         ]
@@ -358,7 +404,8 @@ def main():
         proxy.stop()  # flushes the capture
         started.remove(proxy)
         try:
-            results.append(("capture", "ok", check_capture(capture, int(served))))
+            gone = 1 + (0 if args.node == "off" else args.streams // 2)
+            results.append(("capture", "ok", check_capture(capture, int(served), gone)))
         except AssertionError as e:
             failures += 1
             results.append(("capture", "FAILED", str(e)))
