@@ -17,7 +17,9 @@ client sees through the proxy is checked against what it sees without it, call b
   |                      | N streams at once, every other one aborted mid-way, none left running    |
   | rate limit           | 429 with Retry-After; the client's own retry honours it and succeeds     |
   | queue full, deadline | RateLimitError (429) and InternalServerError (503), each with Retry-After |
-  | capture              | the client's requests are in the capture; its prompt text is not          |
+  | request id           | the client reads each answer's id (`_request_id`): its own, or the proxy's |
+  | capture              | the client's requests are in the capture, by the ids it read; its prompt |
+  |                      | text is not                                                               |
 
 The replica is `headroom sim` with fixed step times; two proxies stand in front of it: one with
 client API keys (one of them rate-limited) and the capture on, one with an admission cap of a
@@ -46,6 +48,8 @@ MODEL = "meta-llama/Llama-3.1-8B-Instruct"
 CANARY = "canary-7f3a9c1e-never-in-a-capture"
 KEY, LIMITED_KEY = "sk-client-check-main", "sk-client-check-limited"
 WAIT_S = 30.0
+# Request ids the client read from answers, to be found in the capture.
+REQUEST_IDS = []
 
 
 class Process:
@@ -204,6 +208,13 @@ def check_calls(direct, proxy):
 
     raw = proxy.chat.completions.with_raw_response.create(**chat_args())
     expect(raw.headers.get("x-headroom-backend"), f"no x-headroom-backend in {dict(raw.headers)}")
+    # The client reads the request's id from the answer (`_request_id`, from x-request-id): the
+    # proxy's, which its capture and access log name, or the client's own when it sent one.
+    made = proxy.chat.completions.create(**chat_args())._request_id
+    own = proxy.chat.completions.create(**chat_args(), extra_headers={"x-request-id": "client-check-1"})._request_id
+    expect(made and own == "client-check-1", f"request ids read by the client: {made!r}, {own!r}")
+    out["request id"] = f"{made} (made by the proxy), {own} (the client's)"
+    REQUEST_IDS.extend([made, own])
     return out
 
 
@@ -323,7 +334,13 @@ def check_capture(path, served, gone):
     closed = sum(1 for r in records if r["status"] == 499)
     expect(closed == gone, f"{closed} records of a client gone (499), expected {gone}")
     expect(CANARY not in text, "the prompt's canary string is in the capture")
-    return f"{len(records)} records for {served} requests served ({gone} of clients gone, 499), no prompt text"
+    ids = {r.get("request_id") for r in records}
+    missing = [i for i in REQUEST_IDS if i not in ids]
+    expect(not missing, f"request ids the client read but the capture does not name: {missing}")
+    return (
+        f"{len(records)} records for {served} requests served ({gone} of clients gone, 499), "
+        f"the ids the client read among them, no prompt text"
+    )
 
 
 def main():

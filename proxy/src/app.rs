@@ -681,6 +681,7 @@ impl Headroom {
             "application/json",
             body,
             None,
+            &ctx.request_id,
         )
         .await;
         Ok(())
@@ -718,7 +719,9 @@ fn check_headers(
 }
 
 /// Writes a complete response, each write within `limit`; a client that has gone away is not an
-/// error worth reporting, and one that takes nothing has its connection ended.
+/// error worth reporting, and one that takes nothing has its connection ended. It carries the
+/// request's id, as a replica's answer does.
+#[allow(clippy::too_many_arguments)]
 async fn respond(
     session: &mut Session,
     limit: Duration,
@@ -726,12 +729,16 @@ async fn respond(
     content_type: &str,
     body: Vec<u8>,
     error: Option<&ProxyError>,
+    request_id: &str,
 ) {
-    let Ok(mut resp) = ResponseHeader::build(status, Some(4)) else {
+    let Ok(mut resp) = ResponseHeader::build(status, Some(5)) else {
         return;
     };
     let _ = resp.insert_header(header::CONTENT_TYPE, content_type);
     let _ = resp.insert_header(header::CONTENT_LENGTH, body.len().to_string());
+    if !request_id.is_empty() {
+        let _ = resp.insert_header("x-request-id", request_id);
+    }
     if let Some(e) = error {
         let _ = resp.insert_header("x-headroom-error", e.reason());
         if e.status() == 401 {
@@ -923,6 +930,7 @@ impl Headroom {
                     "application/json",
                     e.body(),
                     Some(&e),
+                    &ctx.request_id,
                 )
                 .await;
             }

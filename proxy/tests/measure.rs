@@ -270,6 +270,68 @@ async fn an_error_answer_takes_no_ttft() {
     r.shutdown().await.unwrap();
 }
 
+/// A client can quote the id its request is known by in the engine's logs, the access log and
+/// the capture: every answer carries `x-request-id`, the client's own or the one the proxy made.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn every_answer_carries_the_request_id_the_capture_names() {
+    let r = sim(1, 1, &[]).await;
+    let scratch = tempfile::tempdir().expect("a scratch directory");
+    let path = scratch.path().join("t.jsonl");
+    let p = proxy(&[r.url()], Some(&path)).await;
+    let c = reqwest::Client::new();
+    let body = json!({"model": MODEL, "messages": [{"role": "user", "content": "hi"}],
+                      "max_tokens": 3, "stream": true});
+    let id_of = |resp: &reqwest::Response| {
+        resp.headers()
+            .get("x-request-id")
+            .map(|v| v.to_str().unwrap().to_owned())
+    };
+    let url = format!("http://{}/v1/chat/completions", p.addr);
+    let own = c
+        .post(&url)
+        .header("x-request-id", "client-chosen-7")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(id_of(&own).as_deref(), Some("client-chosen-7"));
+    own.bytes().await.unwrap();
+    let made = c.post(&url).json(&body).send().await.unwrap();
+    let made_id = id_of(&made).expect("an id for a request that came without one");
+    assert!(
+        made_id.len() == 16 && made_id.bytes().all(|b| b.is_ascii_hexdigit()),
+        "{made_id}"
+    );
+    made.bytes().await.unwrap();
+    // The engine's error answer and the proxy's own refusal carry it too.
+    let failed = c
+        .post(&url)
+        .header("x-headroom-fault", "error=500")
+        .json(&body)
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(failed.status(), 500);
+    assert!(id_of(&failed).is_some());
+    let refused = c
+        .post(format!("http://{}/v1/embeddings", p.addr))
+        .header("x-request-id", "unserved")
+        .send()
+        .await
+        .unwrap();
+    assert_eq!(refused.status(), 404);
+    assert_eq!(id_of(&refused).as_deref(), Some("unserved"));
+    assert!(common::flush_finished(&p).await);
+    let ids: Vec<_> = read_capture(&path)
+        .into_iter()
+        .filter_map(|rec| rec.request_id)
+        .collect();
+    assert!(ids.contains(&"client-chosen-7".to_owned()), "{ids:?}");
+    assert!(ids.contains(&made_id), "{made_id} in {ids:?}");
+    p.shutdown().await;
+    r.shutdown().await.unwrap();
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_capture_sets_what_routing_expected_cached_beside_what_the_engine_found() {
     let r = sim(1, 1, &["--enable-prompt-tokens-details"]).await;
