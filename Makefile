@@ -1,6 +1,8 @@
 # The two commands of the README. Each first installs what a fresh machine lacks, then runs cargo.
 SHELL := /bin/bash
 CARGO ?= cargo
+# Where cargo puts what it builds (CARGO_TARGET_DIR, when set, moves it).
+TARGET_DIR := $(or $(CARGO_TARGET_DIR),target)
 
 .PHONY: demo test setup check check-deploy clients python-venv bench guidellm pgo
 
@@ -48,7 +50,7 @@ check-deploy: setup python-venv
 	@$(DEPLOY_VENV)/bin/python -c "import kubernetes_validate, yaml" 2>/dev/null || \
 	  $(DEPLOY_VENV)/bin/pip install -q kubernetes-validate==1.37.0 pyyaml
 	$(CARGO) build --locked --bin headroom
-	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom target/debug/headroom
+	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom $(TARGET_DIR)/debug/headroom
 
 ## The official OpenAI clients through the proxy, call by call against the same client straight to
 ## a simulated replica (docs/proxy.md#clients): Python's (PyPI `openai`, pinned, in
@@ -66,7 +68,7 @@ clients: setup python-venv
 	cd scripts/clients-node && npm ci --no-audit --no-fund --silent
 	$(CARGO) build --locked --bin headroom
 	@mkdir -p results/clients && $(CLIENTS_VENV)/bin/pip freeze >results/clients/pip-freeze.txt
-	$(CLIENTS_VENV)/bin/python scripts/check_clients.py --headroom target/debug/headroom --out results/clients
+	$(CLIENTS_VENV)/bin/python scripts/check_clients.py --headroom $(TARGET_DIR)/debug/headroom --out results/clients
 
 ## Python's venv module, which Debian ships apart (python3-venv).
 python-venv:
