@@ -64,7 +64,13 @@ clients: setup python-venv
 	  $(CLIENTS_VENV)/bin/pip install -q openai==$(OPENAI_VERSION)
 	@{ command -v node && command -v npm; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
-	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq nodejs npm; }
+	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends nodejs npm; }
+	@major=$$(node -p 'process.versions.node.split(".")[0]'); \
+	if [ "$$major" -lt 18 ]; then \
+	  echo "make clients: Node.js $$(node --version) is too old (the check needs 18 or later; the pinned client supports 20 or later)" >&2; exit 1; \
+	elif [ "$$major" -lt 20 ]; then \
+	  echo "make clients: Node.js $$(node --version): older than the 20 the pinned client supports; checking anyway" >&2; \
+	fi
 	cd scripts/clients-node && npm ci --no-audit --no-fund --silent
 	$(CARGO) build --locked --bin headroom
 	@mkdir -p results/clients && $(CLIENTS_VENV)/bin/pip freeze >results/clients/pip-freeze.txt

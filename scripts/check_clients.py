@@ -38,7 +38,9 @@ import pathlib
 import re
 import subprocess
 import sys
+import signal
 import tempfile
+import threading
 import time
 import urllib.request
 
@@ -64,7 +66,12 @@ class Process:
             text=True,
             env={**os.environ, **(env or {})},
         )
-        line = self.proc.stdout.readline().strip()
+        # The first line, or none within WAIT_S (a process stuck before it listens).
+        first = []
+        reader = threading.Thread(target=lambda: first.append(self.proc.stdout.readline()), daemon=True)
+        reader.start()
+        reader.join(WAIT_S)
+        line = first[0].strip() if first else ""
         if not line.startswith("http://"):
             self.stop()
             raise SystemExit(f"{argv[1]} did not start ({log}):\n{pathlib.Path(log).read_text()[-2000:]}")
@@ -81,9 +88,10 @@ class Process:
         raise SystemExit(f"no admin address in {self.log}")
 
     def stop(self):
+        # The proxies' configs set no drain and a 5 s grace, so SIGTERM ends them within seconds.
         self.proc.terminate()
         try:
-            self.proc.wait(10)
+            self.proc.wait(20)
         except subprocess.TimeoutExpired:
             self.proc.kill()
             self.proc.wait()
@@ -293,8 +301,9 @@ def check_rate_limit(base, admin):
     except openai.RateLimitError as e:
         retry_after = e.response.headers.get("retry-after")
         expect(retry_after and int(retry_after) >= 1, f"429 without a usable Retry-After: {dict(e.response.headers)}")
-    # The client's default retries: it must wait what Retry-After says (1 or 2 s at a request every
-    # 2 s) rather than its own backoff (at most 0.5 s at the first retry), and then succeed.
+    # The client's default retries: it must wait what Retry-After says (2 s, or 1 s after a slow
+    # first request) and then succeed. Its own backoff (0.5 s, then 1 s, at most) would spend both
+    # retries before the key's next request is allowed, about 2 s after the first, and fail.
     time.sleep(2.1)
     retrying = openai.OpenAI(base_url=base + "/v1", api_key=LIMITED_KEY, max_retries=2, timeout=30)
     retrying.completions.create(**completion_args())
@@ -344,6 +353,8 @@ def check_capture(path, served, gone):
 
 
 def main():
+    # A CI timeout's SIGTERM unwinds like Ctrl-C, so the processes started here are stopped.
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--headroom", default="target/debug/headroom", help="the headroom binary")
     ap.add_argument("--streams", type=int, default=64, help="concurrent streams for the concurrency check")
@@ -371,11 +382,13 @@ def main():
         (out / "open.toml").write_text(
             f'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n[[backends]]\nurl = "{sim.url}"\n'
             f'[capture]\npath = "{capture}"\n'
+            "[shutdown]\ndrain_ms = 0\ngrace_ms = 5000\n"
             '[[security.api_keys]]\nname = "main"\nenv = "CHECK_KEY_MAIN"\n'
             '[[security.api_keys]]\nname = "limited"\nenv = "CHECK_KEY_LIMITED"\nrate_per_s = 0.5\nburst = 1\n'
         )
         (out / "tight.toml").write_text(
             f'listen = "127.0.0.1:0"\nadmin_listen = "127.0.0.1:0"\n[[backends]]\nurl = "{sim.url}"\n'
+            "[shutdown]\ndrain_ms = 0\ngrace_ms = 5000\n"
             "[admission]\nmax_in_flight = 1\nmax_cap = 1\n"
             "[classes.default]\n[classes.full]\nmax_queue = 0\n[classes.brief]\nqueue_timeout_ms = 300\n"
         )
@@ -408,7 +421,7 @@ def main():
             try:
                 detail = run()
                 results.append((name, "ok", detail))
-            except (AssertionError, openai.OpenAIError, OSError) as e:
+            except Exception as e:  # noqa: BLE001 - every check reports, whatever went wrong in it
                 failures += 1
                 results.append((name, "FAILED", f"{type(e).__name__}: {e}"))
         # Every generation request is captured, the failed and the closed ones included, except

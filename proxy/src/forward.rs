@@ -1237,11 +1237,10 @@ impl Headroom {
             resp.remove_header(h);
         }
         let _ = resp.insert_header("x-headroom-backend", backend.name.as_str());
-        // The id the replica and the capture know the request by, for the client to quote (an
-        // engine that echoes ids, vLLM with --enable-request-id-headers, already sent it).
-        if !resp.headers.contains_key("x-request-id") {
-            let _ = resp.insert_header("x-request-id", ctx.request_id.as_str());
-        }
+        // The id the access log and the capture know the request by, for the client to quote. It
+        // replaces one the engine sent: vLLM with --enable-request-id-headers echoes the same
+        // one, and an id an engine made up would be one no record of the proxy's names.
+        let _ = resp.insert_header("x-request-id", ctx.request_id.as_str());
         // An encoded (compressed) body is passed through as it is, unread: the proxy asks for
         // none (it drops the client's `Accept-Encoding`), so only an engine that compresses
         // unasked sends one.

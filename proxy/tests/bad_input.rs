@@ -128,6 +128,30 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
     assert_eq!(seen.requests(), 2);
 }
 
+/// The proxy speaks HTTP/1.x (docs/proxy.md#clients): an HTTP/2 client gets a 400 and a closed
+/// connection, never a hang, and a request that offers an upgrade to h2c is answered over HTTP/1.1.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_http2_client_is_refused_and_an_h2c_upgrade_is_declined() {
+    let (url, seen) = recording_engine().await;
+    let h = proxy(&url, |_| {}).await;
+    let (r, closed) = exchange(&h, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
+    assert_eq!(status(&r), 400, "{r}");
+    assert!(closed, "{r}");
+    assert_eq!(seen.requests(), 0);
+
+    let offer = "upgrade: h2c\r\nconnection: Upgrade, HTTP2-Settings, close\r\nhttp2-settings: AAMAAABkAAQCAAAAAAIAAAAA\r\n";
+    let (r, _) = exchange(&h, &keepalive_request(offer, BODY)).await;
+    assert!(r.starts_with("HTTP/1.1 200"), "{r}");
+    assert!(!r.to_ascii_lowercase().contains("upgrade"), "{r}");
+    let got = seen.last();
+    for gone in ["upgrade", "http2-settings"] {
+        assert!(
+            !got.contains_key(gone),
+            "{gone} reached the engine: {got:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn bodies_are_bounded_framed_once_and_json() {
     let (url, seen) = recording_engine().await;

@@ -298,8 +298,15 @@ async fn engines_never_see_forged_forwarding_headers_or_the_proxys_inputs() {
         ("x-hop-only", "this hop"),
     ];
     let h = proxy(&url, Vec::new(), false).await;
-    assert_eq!(complete(&h, &forged).await.status(), 200);
+    let resp = complete(&h, &forged).await;
+    assert_eq!(resp.status(), 200);
     let got = seen.last();
+    // The client gets back the id the engine was sent (and the proxy's records name), not one
+    // the engine made up.
+    assert_eq!(
+        resp.headers()["x-request-id"].to_str().unwrap(),
+        got["x-request-id"]
+    );
     assert_eq!(got["x-forwarded-for"], "127.0.0.1");
     assert_eq!(got["x-forwarded-proto"], "http");
     for gone in [

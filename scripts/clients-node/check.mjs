@@ -37,10 +37,10 @@ async function shape(stream, abortAfter, controller) {
 async function error(body) {
   try {
     await client.chat.completions.create(body);
-    return 'no error';
   } catch (e) {
     return [e.constructor.name, e.status, e.message];
   }
+  throw new Error(`answered, where an error was due: ${JSON.stringify(body).slice(0, 200)}`);
 }
 
 const out = {};
@@ -76,7 +76,7 @@ const results = await Promise.all(
       s = await shape(stream, aborting ? 3 : 0, controller);
     } catch (e) {
       // Depending on the version, an abort ends the iteration or throws.
-      return aborting && e.name === 'APIUserAbortError' ? 'aborted' : `failed ${e.name}: ${e.message}`;
+      return aborting && e instanceof OpenAI.APIUserAbortError ? 'aborted' : `failed ${e.constructor.name}: ${e.message}`;
     }
     if (aborting) return s.finish.length === 0 ? 'aborted' : `not aborted ${JSON.stringify(s)}`;
     return s.finish.join() === 'length' && s.content === 12 ? 'complete' : `incomplete ${JSON.stringify(s)}`;

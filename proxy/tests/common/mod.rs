@@ -221,7 +221,7 @@ impl Drop for OpenStream {
 }
 
 /// An engine that records every completion request's headers. By its `x-test-mode` header it
-/// answers at once (absent), streams one SSE line of `line_bytes` that never ends (`endless-line`),
+/// answers at once (absent; with an `x-request-id` of its own making, `engine-made`), streams one SSE line of `line_bytes` that never ends (`endless-line`),
 /// or streams 64 KB events without end (`firehose`).
 pub async fn recording_engine() -> (String, std::sync::Arc<Seen>) {
     use axum::http::HeaderMap;
@@ -254,12 +254,15 @@ pub async fn recording_engine() -> (String, std::sync::Arc<Seen>) {
                         .unwrap_or("")
                         .to_owned();
                     if mode.is_empty() {
-                        return axum::Json(serde_json::json!({
+                        return (
+                            [("x-request-id", "engine-made")],
+                            axum::Json(serde_json::json!({
                             "id": "cmpl-1", "object": "text_completion", "model": "m",
                             "choices": [{"index": 0, "text": " ok", "finish_reason": "stop"}],
                             "usage": {"prompt_tokens": 3, "completion_tokens": 1, "total_tokens": 4}
-                        }))
-                        .into_response();
+                            })),
+                        )
+                            .into_response();
                     }
                     log.open_streams
                         .fetch_add(1, std::sync::atomic::Ordering::SeqCst);
