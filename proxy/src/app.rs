@@ -731,11 +731,28 @@ async fn respond(
     error: Option<&ProxyError>,
     request_id: &str,
 ) {
-    let Ok(mut resp) = ResponseHeader::build(status, Some(5)) else {
+    let Some(resp) = answer_header(status, content_type, body.len(), error, request_id) else {
         return;
     };
+    let written = write_within(limit, session.write_response_header(Box::new(resp), false)).await
+        && write_within(limit, session.write_response_body(Some(body.into()), true)).await;
+    if !written {
+        end_client_connection(session);
+    }
+}
+
+/// The header of an answer of the proxy's own: its type and length, the request's id (when one
+/// was read), and for an error its reason, `Retry-After`, `Allow` and `WWW-Authenticate`.
+fn answer_header(
+    status: u16,
+    content_type: &str,
+    len: usize,
+    error: Option<&ProxyError>,
+    request_id: &str,
+) -> Option<ResponseHeader> {
+    let mut resp = ResponseHeader::build(status, Some(5)).ok()?;
     let _ = resp.insert_header(header::CONTENT_TYPE, content_type);
-    let _ = resp.insert_header(header::CONTENT_LENGTH, body.len().to_string());
+    let _ = resp.insert_header(header::CONTENT_LENGTH, len.to_string());
     if !request_id.is_empty() {
         let _ = resp.insert_header("x-request-id", request_id);
     }
@@ -751,11 +768,7 @@ async fn respond(
             let _ = resp.insert_header(header::RETRY_AFTER, s.to_string());
         }
     }
-    let written = write_within(limit, session.write_response_header(Box::new(resp), false)).await
-        && write_within(limit, session.write_response_body(Some(body.into()), true)).await;
-    if !written {
-        end_client_connection(session);
-    }
+    Some(resp)
 }
 
 fn request_id(session: &Session) -> String {
@@ -784,13 +797,29 @@ impl Headroom {
         Duration::from_millis(self.cfg.timeouts.client_write_ms)
     }
 
-    /// Closes a connection whose request is not served, after pingora's short answer `status`
-    /// when there is one; each write within the write limit (over TLS the close is written too:
-    /// close_notify).
-    async fn close(&self, session: &mut Session, status: Option<u16>) {
+    /// Closes a connection whose request is not served, after the answer to `refusal` when there
+    /// is one (in the shape of every other answer of the proxy's, counted with them); each write
+    /// within the write limit (over TLS the close is written too: close_notify).
+    async fn close(&self, session: &mut Session, refusal: Option<ProxyError>, request_id: &str) {
         let limit = self.client_write_limit();
-        if let Some(status) = status {
-            write_within(limit, session.downstream_session.respond_error(status)).await;
+        if let Some(e) = refusal {
+            self.metrics
+                .proxy_errors
+                .with_label_values(&[e.reason()])
+                .inc();
+            let body = e.body();
+            if let Some(resp) = answer_header(
+                e.status(),
+                "application/json",
+                body.len(),
+                Some(&e),
+                request_id,
+            ) {
+                let answer = session
+                    .downstream_session
+                    .write_error_response(resp, body.into());
+                write_within(limit, answer).await;
+            }
         }
         let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
     }
@@ -850,8 +879,15 @@ impl Headroom {
                 Err(e) => {
                     // A client gone mid-header is ordinary traffic, not an error of the proxy's.
                     tracing::debug!("client connection: {e}");
-                    let malformed = e.etype == pingora::ErrorType::InvalidHTTPHeader;
-                    self.close(&mut session, malformed.then_some(400)).await;
+                    // The reason names no byte of what was sent: it could be anything.
+                    let malformed = (e.etype == pingora::ErrorType::InvalidHTTPHeader).then(|| {
+                        ProxyError::new(
+                            ErrorKind::BadRequest,
+                            "the request is not HTTP/1.1 or HTTP/1.0, which is what headroom \
+                             speaks (an HTTP/2 client must use HTTP/1.1 here)",
+                        )
+                    });
+                    self.close(&mut session, malformed, "").await;
                     return;
                 }
             }
@@ -861,7 +897,10 @@ impl Headroom {
             }
             if session.req_header().method == Method::CONNECT {
                 // A tunnel changes how the connection is framed: never served.
-                self.close(&mut session, Some(405)).await;
+                let refusal =
+                    ProxyError::new(ErrorKind::MethodNotAllowed, "headroom opens no tunnels");
+                let id = request_id(&session);
+                self.close(&mut session, Some(refusal), &id).await;
                 return;
             }
             let mut ctx = self.new_ctx();

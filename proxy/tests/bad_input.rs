@@ -84,7 +84,7 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
 
     let many: String = (0..120).map(|i| format!("x-h{i}: v\r\n")).collect();
     assert_eq!(status(&exchange(&h, &request(&many, BODY)).await.0), 431);
-    // Past pingora's own parser limit (256 fields) the answer is its 400.
+    // Past pingora's own parser limit (256 fields) the request cannot be read: a 400.
     let too_many: String = (0..300).map(|i| format!("x-h{i}: v\r\n")).collect();
     assert_eq!(
         status(&exchange(&h, &request(&too_many, BODY)).await.0),
@@ -96,6 +96,12 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
         assert_eq!(status(&r), 400, "{bad:?}: {r}");
         assert!(closed, "{bad:?}");
     }
+    // An unreadable request is answered as every other refusal is: the OpenAI error shape and
+    // the reason, not the HTTP library's bare page.
+    let (r, _) = exchange(&h, &request("x-a: a\0b\r\n", BODY)).await;
+    assert!(r.contains("x-headroom-error: bad_request"), "{r}");
+    assert!(r.contains(r#""type":"BadRequestError""#), "{r}");
+    assert!(!r.to_ascii_lowercase().contains("pingora"), "{r}");
     // A tunnel is never opened: 405, and the connection closed rather than read as a tunnel.
     let (r, closed) = exchange(
         &h,
@@ -104,7 +110,14 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
     .await;
     assert_eq!(status(&r), 405, "{r}");
     assert!(closed, "{r}");
+    assert!(r.contains("x-headroom-error: method_not_allowed"), "{r}");
+    assert!(r.contains("x-request-id: "), "{r}");
     assert_eq!(seen.requests(), 0, "an engine saw a refused request");
+    let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
+    assert!(
+        m.contains(r#"headroom_proxy_errors_total{reason="method_not_allowed"} 1"#),
+        "{m}"
+    );
 
     // Framed two ways: read as chunked (RFC 9112 §6.3), and the connection closed after it, so
     // the request smuggled behind the chunked body is never served.
@@ -136,6 +149,7 @@ async fn an_http2_client_is_refused_and_an_h2c_upgrade_is_declined() {
     let h = proxy(&url, |_| {}).await;
     let (r, closed) = exchange(&h, b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n").await;
     assert_eq!(status(&r), 400, "{r}");
+    assert!(r.contains("must use HTTP/1.1"), "{r}");
     assert!(closed, "{r}");
     assert_eq!(seen.requests(), 0);
 
