@@ -2,7 +2,8 @@
 //! prefix-block hashes of the prompt it renders to.
 //!
 //! ```text
-//! prompt  = render_chat(messages)  (every message, in order, Llama-3 template)   chat
+//! prompt  = render_chat(messages)  (every message, in order, Llama-3 template;   chat
+//!                                    a media part as <|TYPE:digest of its content|>)
 //!         | <|begin_of_text|> + prompt text  | prompt token ids                  completions
 //! tokens  = Tokenizer(prompt[..cut])          cut = max_hashed_tokens × MAX_BYTES_PER_TOKEN bytes
 //! seed    = xxh3(model, hash_seed)          (Chain::Sim: hash_seed alone, as the simulator's KV events)

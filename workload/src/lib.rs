@@ -7,6 +7,7 @@ pub mod digest;
 pub mod engine_metrics;
 pub mod engine_tokenizer;
 pub mod inspect;
+pub mod json_digest;
 pub mod kv_events;
 pub mod measure;
 pub mod openai;

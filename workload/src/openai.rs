@@ -349,18 +349,64 @@ pub struct CompletionRequest {
 pub enum MessageContent {
     /// Plain text.
     Text(String),
-    /// Typed parts; text parts are joined with `\n`, others are ignored.
+    /// Typed parts, joined with `\n`: text parts by their text, others (images, audio, video)
+    /// by a marker naming their type and the digest of their content ([`render_chat`]).
     Parts(Vec<ContentPart>),
 }
 
 /// One typed part of a chat message.
-#[derive(Debug, Clone, Serialize, Deserialize)]
+#[derive(Debug, Clone, Serialize)]
 pub struct ContentPart {
     /// The part type, e.g. `text`.
     #[serde(rename = "type")]
     pub kind: String,
     /// The text of a `text` part.
     pub text: Option<String>,
+    /// The digest of the part's other fields ([`crate::json_digest`]): an image's URL or its
+    /// inline data, an audio clip. Two images that differ give different digests, where their
+    /// messages' text alone would be the same. Not serialized: the content itself is not kept.
+    #[serde(skip)]
+    pub media: Option<u64>,
+}
+
+impl<'de> Deserialize<'de> for ContentPart {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        struct PartVisitor;
+        impl<'de> serde::de::Visitor<'de> for PartVisitor {
+            type Value = ContentPart;
+
+            fn expecting(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+                f.write_str("a content part (an object with a type)")
+            }
+
+            fn visit_map<A: serde::de::MapAccess<'de>>(
+                self,
+                mut map: A,
+            ) -> Result<ContentPart, A::Error> {
+                let (mut kind, mut text) = (None, None);
+                let mut media: Option<xxhash_rust::xxh3::Xxh3> = None;
+                while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
+                    match key.as_ref() {
+                        "type" => kind = Some(map.next_value::<String>()?),
+                        "text" => text = map.next_value::<Option<String>>()?,
+                        other => {
+                            let hasher = media.get_or_insert_with(xxhash_rust::xxh3::Xxh3::new);
+                            hasher.update(&(other.len() as u64).to_le_bytes());
+                            hasher.update(other.as_bytes());
+                            map.next_value_seed(crate::json_digest::DigestSeed(hasher))?;
+                        }
+                    }
+                }
+                let kind = kind.ok_or_else(|| serde::de::Error::missing_field("type"))?;
+                Ok(ContentPart {
+                    kind,
+                    text,
+                    media: media.map(|h| h.digest()),
+                })
+            }
+        }
+        d.deserialize_map(PartVisitor)
+    }
 }
 
 /// One chat message.
@@ -393,15 +439,27 @@ pub fn render_chat(messages: &[ChatMessage]) -> String {
         match &m.content {
             Some(MessageContent::Text(t)) => out.push_str(t),
             Some(MessageContent::Parts(parts)) => {
-                let texts = parts
-                    .iter()
-                    .filter(|p| p.kind == "text")
-                    .filter_map(|p| p.text.as_deref());
-                for (i, t) in texts.enumerate() {
-                    if i > 0 {
+                let mut first = true;
+                for p in parts {
+                    let text = p.text.as_deref().filter(|_| p.kind == "text");
+                    let media = p.media.filter(|_| p.kind != "text");
+                    if text.is_none() && media.is_none() {
+                        continue;
+                    }
+                    if !first {
                         out.push('\n');
                     }
-                    out.push_str(t);
+                    first = false;
+                    match (text, media) {
+                        (Some(t), _) => out.push_str(t),
+                        // What the engine puts in its place differs with the content (vLLM keys
+                        // the blocks it falls in by the item's hash): the chain diverges here.
+                        (None, Some(digest)) => {
+                            use std::fmt::Write;
+                            let _ = write!(out, "<|{}:{digest:016x}|>", p.kind);
+                        }
+                        (None, None) => {}
+                    }
                 }
             }
             None => {}
@@ -435,8 +493,62 @@ mod tests {
         assert!(r.params.stream && r.params.include_usage() && !r.params.continuous_usage());
         assert_eq!(r.params.requested_max_tokens(), Some(7));
         let text = render_chat(&r.messages);
-        assert!(text.contains("<|end_header_id|>\n\nHi\nthere<|eot_id|>"));
+        // The digest is of the part's fields other than its type: the key, then its value.
+        let mut h = xxhash_rust::xxh3::Xxh3::new();
+        h.update(&9u64.to_le_bytes());
+        h.update(b"image_url");
+        let mut de = serde_json::Deserializer::from_str(r#"{"url":"x"}"#);
+        serde::de::DeserializeSeed::deserialize(crate::json_digest::DigestSeed(&mut h), &mut de)
+            .unwrap();
+        let marker = format!("<|image_url:{:016x}|>", h.digest());
+        assert!(
+            text.contains(&format!(
+                "<|end_header_id|>\n\nHi\n{marker}\nthere<|eot_id|>"
+            )),
+            "{text}"
+        );
         assert!(text.ends_with("assistant<|end_header_id|>\n\n"));
+    }
+
+    /// Two requests that differ only in their image render differently from the image on, and
+    /// alike before it; the same image (URL or inline data) renders alike.
+    #[test]
+    fn media_parts_tell_their_contents_apart() {
+        let chat = |image: &str| {
+            let body = format!(
+                r#"{{"model":"m","messages":[{{"role":"system","content":"Describe images."}},
+                {{"role":"user","content":[{{"type":"text","text":"What is this?"}},
+                {{"type":"image_url","image_url":{{"url":"{image}"}}}}]}}]}}"#
+            );
+            let r: ChatCompletionRequest = serde_json::from_str(&body).unwrap();
+            render_chat(&r.messages)
+        };
+        let (a, b) = (
+            chat("data:image/png;base64,AAAA"),
+            chat("data:image/png;base64,AAAB"),
+        );
+        assert_ne!(a, b);
+        assert_eq!(a, chat("data:image/png;base64,AAAA"));
+        let common = a.bytes().zip(b.bytes()).take_while(|(x, y)| x == y).count();
+        assert!(
+            a[..common].ends_with("What is this?\n<|image_url:"),
+            "{}",
+            &a[..common]
+        );
+        // A part of an unknown shape with nothing but its type adds nothing; text-only content
+        // renders as before.
+        let r: ChatCompletionRequest = serde_json::from_str(
+            r#"{"messages":[{"role":"user","content":[{"type":"text","text":"a"},{"type":"refusal"},{"type":"text","text":"b"}]}]}"#,
+        )
+        .unwrap();
+        assert!(render_chat(&r.messages).contains("\n\na\nb<|eot_id|>"));
+        // A part without a type is not a part.
+        assert!(
+            serde_json::from_str::<ChatCompletionRequest>(
+                r#"{"messages":[{"role":"user","content":[{"text":"a"}]}]}"#
+            )
+            .is_err()
+        );
     }
 
     #[test]
