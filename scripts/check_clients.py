@@ -7,7 +7,8 @@ client sees through the proxy is checked against what it sees without it, call b
   | check                | through headroom, compared with direct                                   |
   |----------------------|--------------------------------------------------------------------------|
   | models               | the same model ids                                                       |
-  | chat, completions    | the same finish_reason and token counts, streamed and whole              |
+  | chat, completions    | the same finish_reason and token counts, streamed and whole, and for a   |
+  |                      | chat message with an inline image                                        |
   | usage                | a stream that did not ask for usage gets none; one that asked gets it    |
   | errors               | the same exception class, status and message (unknown model, too long)   |
   | unknown route        | NotFoundError in the OpenAI error shape, from the proxy                  |
@@ -175,6 +176,20 @@ def check_calls(direct, proxy):
 
     out["chat"] = same("chat", whole_chat(direct), whole_chat(proxy))
     expect(out["chat"][3] == 12, f"chat: {out['chat'][3]} completion tokens, asked for 12")
+
+    # A vision request: the image travels inline (base64), and the proxy's inspection reads past it.
+    pixel = "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg=="
+
+    def vision(c):
+        args = chat_args()
+        args["messages"][-1]["content"] = [
+            {"type": "text", "text": f"What is in this image? {CANARY}"},
+            {"type": "image_url", "image_url": {"url": f"data:image/png;base64,{pixel}"}},
+        ]
+        r = c.chat.completions.create(**args)
+        return r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
+
+    out["chat with an image"] = same("chat with an image", vision(direct), vision(proxy))
 
     for usage in (False, True):
         extra = {"stream_options": {"include_usage": True}} if usage else {}
