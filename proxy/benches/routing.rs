@@ -147,6 +147,23 @@ fn inspection(c: &mut Criterion) {
             b.iter(|| inspect(Endpoint::Chat, std::hint::black_box(&body), &cfg))
         });
     }
+    // A vision request: a question and a 1 MiB inline image, which inspection reads past and
+    // digests (json_digest.rs) without copying it out of the body.
+    let image: String = (0..1 << 20)
+        .map(|i| (b'A' + (i % 26) as u8) as char)
+        .collect();
+    let body = serde_json::to_vec(&serde_json::json!({
+            "model": "meta-llama/Llama-3.1-8B-Instruct",
+            "max_tokens": 64,
+            "messages": [{"role": "user", "content": [
+                {"type": "text", "text": "What is in this image?"},
+                {"type": "image_url", "image_url": {"url": format!("data:image/png;base64,{image}")}},
+        ]}],
+    }))
+    .expect("serializable");
+    c.bench_function("inspect_chat_1_mib_image", |b| {
+        b.iter(|| inspect(Endpoint::Chat, std::hint::black_box(&body), &cfg))
+    });
     // The tokenizer alone, on the 32k prompt's text: its share of inspection.
     let text: String = (0..32_000)
         .map(|i| headroom_workload::words::spaced_word(i as u64 * 7 + 3))
