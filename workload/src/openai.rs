@@ -450,15 +450,13 @@ pub fn render_chat(messages: &[ChatMessage]) -> String {
                         out.push('\n');
                     }
                     first = false;
-                    match (text, media) {
-                        (Some(t), _) => out.push_str(t),
+                    if let Some(t) = text {
+                        out.push_str(t);
+                    } else if let Some(digest) = media {
                         // What the engine puts in its place differs with the content (vLLM keys
                         // the blocks it falls in by the item's hash): the chain diverges here.
-                        (None, Some(digest)) => {
-                            use std::fmt::Write;
-                            let _ = write!(out, "<|{}:{digest:016x}|>", p.kind);
-                        }
-                        (None, None) => {}
+                        use std::fmt::Write;
+                        let _ = write!(out, "<|{}:{digest:016x}|>", p.kind);
                     }
                 }
             }
