@@ -820,6 +820,12 @@ impl Headroom {
                     .write_error_response(resp, body.into());
                 write_within(limit, answer).await;
             }
+            // Counted and logged as every other request the proxy refused (route "unknown").
+            let mut ctx = self.new_ctx();
+            ctx.status = e.status();
+            ctx.error = Some(e.reason());
+            ctx.request_id = request_id.to_owned();
+            self.account(&mut ctx);
         }
         let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
     }
@@ -882,9 +888,10 @@ impl Headroom {
                     // The reason names no byte of what was sent: it could be anything.
                     let malformed = (e.etype == pingora::ErrorType::InvalidHTTPHeader).then(|| {
                         ProxyError::new(
-                            ErrorKind::BadRequest,
-                            "the request is not HTTP/1.1 or HTTP/1.0, which is what headroom \
-                             speaks (an HTTP/2 client must use HTTP/1.1 here)",
+                            ErrorKind::MalformedHeader,
+                            "the request's header could not be read: it is malformed, its body \
+                             is framed two ways, or it is not HTTP/1.1 or HTTP/1.0 (headroom \
+                             speaks HTTP/1.x; an HTTP/2 client must use HTTP/1.1 here)",
                         )
                     });
                     self.close(&mut session, malformed, "").await;
@@ -897,8 +904,9 @@ impl Headroom {
             }
             if session.req_header().method == Method::CONNECT {
                 // A tunnel changes how the connection is framed: never served.
-                let refusal =
+                let mut refusal =
                     ProxyError::new(ErrorKind::MethodNotAllowed, "headroom opens no tunnels");
+                refusal.allow = Some("GET, HEAD, POST, OPTIONS");
                 let id = request_id(&session);
                 self.close(&mut session, Some(refusal), &id).await;
                 return;
@@ -986,6 +994,11 @@ impl Headroom {
         if let Some(conn) = client_conn(session) {
             conn.response_done();
         }
+        self.account(ctx);
+    }
+
+    /// A request's count, its record and its access-log line.
+    fn account(&self, ctx: &mut RequestCtx) {
         let status = ctx.status.to_string();
         self.metrics
             .requests

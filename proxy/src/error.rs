@@ -18,6 +18,8 @@ pub enum ErrorKind {
     MethodNotAllowed,
     /// The body could not be read as the endpoint's request.
     BadRequest,
+    /// The request's header could not be parsed (malformed, framed two ways, not HTTP/1.x).
+    MalformedHeader,
     /// The body is larger than `limits.max_body_bytes`.
     BodyTooLarge,
     /// The header block is over `limits.max_header_bytes` or `limits.max_headers`.
@@ -94,7 +96,7 @@ impl ProxyError {
             ErrorKind::RateLimited => 429,
             ErrorKind::UnknownRoute => 404,
             ErrorKind::MethodNotAllowed => 405,
-            ErrorKind::BadRequest => 400,
+            ErrorKind::BadRequest | ErrorKind::MalformedHeader => 400,
             ErrorKind::BodyTooLarge => 413,
             ErrorKind::HeadersTooLarge => 431,
             ErrorKind::BodyTimeout => 408,
@@ -133,6 +135,7 @@ impl ProxyError {
             ErrorKind::UnknownRoute => "unknown_route",
             ErrorKind::MethodNotAllowed => "method_not_allowed",
             ErrorKind::BadRequest => "bad_request",
+            ErrorKind::MalformedHeader => "malformed_header",
             ErrorKind::BodyTooLarge => "body_too_large",
             ErrorKind::HeadersTooLarge => "headers_too_large",
             ErrorKind::BodyTimeout => "body_timeout",

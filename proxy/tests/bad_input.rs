@@ -99,7 +99,7 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
     // An unreadable request is answered as every other refusal is: the OpenAI error shape and
     // the reason, not the HTTP library's bare page.
     let (r, _) = exchange(&h, &request("x-a: a\0b\r\n", BODY)).await;
-    assert!(r.contains("x-headroom-error: bad_request"), "{r}");
+    assert!(r.contains("x-headroom-error: malformed_header"), "{r}");
     assert!(r.contains(r#""type":"BadRequestError""#), "{r}");
     assert!(!r.to_ascii_lowercase().contains("pingora"), "{r}");
     // A tunnel is never opened: 405, and the connection closed rather than read as a tunnel.
@@ -112,10 +112,25 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
     assert!(closed, "{r}");
     assert!(r.contains("x-headroom-error: method_not_allowed"), "{r}");
     assert!(r.contains("x-request-id: "), "{r}");
+    assert!(
+        r.to_ascii_lowercase()
+            .contains("allow: get, head, post, options"),
+        "{r}"
+    );
     assert_eq!(seen.requests(), 0, "an engine saw a refused request");
     let m = common::get_text(&format!("http://{}/metrics", h.admin_addr)).await;
     assert!(
         m.contains(r#"headroom_proxy_errors_total{reason="method_not_allowed"} 1"#),
+        "{m}"
+    );
+    // Every unreadable request above counted as a refusal of an unknown route.
+    let malformed = common::metric(
+        &m,
+        r#"headroom_proxy_errors_total{reason="malformed_header"}"#,
+    );
+    assert!(malformed >= 4.0, "{m}");
+    assert!(
+        m.contains(r#"headroom_requests_total{backend="none",route="unknown",status="405"} 1"#),
         "{m}"
     );
 

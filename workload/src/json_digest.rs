@@ -1,14 +1,17 @@
-//! A JSON value's digest, taken as the value is read and never built: what tells two images (or
-//! other media parts of a chat message) apart, for megabytes of base64 without a copy of them.
+//! A JSON value's digest, taken as the value is deserialized and never built into a value of its
+//! own: what tells two images (or other media parts of a chat message) apart, for megabytes of
+//! base64.
 //!
 //! ```text
-//! digest = xxh3-64 over the value's tokens in document order: a tag byte per kind
-//!          (null, bool, number, string, array start/end, object start/end, key), then
-//!          its bytes (strings and keys with their length, numbers as 8 bytes)
+//! digest(v) = xxh3-64 over v's tokens: a tag byte per kind (null, bool, number, string, array
+//!             start/end, object), then its bytes (strings with their length, numbers as 8 bytes)
+//! object    = tag, entry count, Σ xxh3(key with its length, value's tokens)  (wrapping sum)
 //! ```
 //!
-//! Equal JSON texts give equal digests; so do texts that differ only in whitespace or in how a
-//! string is escaped. Object keys are taken in the order written (engines do not reorder them).
+//! Equal JSON values give equal digests: texts that differ only in whitespace, in how a string is
+//! escaped, or in the order of an object's keys (a client's serializer may order them either way).
+//! Numbers are read as serde_json reads them: integers exactly, others as f64 (`1.0` and `1e0`
+//! agree, `1` and `1.0` do not).
 
 use serde::Deserializer;
 use serde::de::{DeserializeSeed, MapAccess, SeqAccess, Visitor};
@@ -99,13 +102,51 @@ impl<'de> Visitor<'de> for &mut DigestSeed<'_> {
     }
 
     fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<(), A::Error> {
-        self.tag(9);
+        let mut object = ObjectDigest::default();
         while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-            self.bytes(11, key.as_bytes());
-            map.next_value_seed(DigestSeed(self.0))?;
+            object.entry(&key, &mut map)?;
         }
-        self.tag(10);
+        self.tag(9);
+        self.0.update(&object.digest().to_le_bytes());
         Ok(())
+    }
+}
+
+/// The digest of an object's entries, whatever their order: for a caller that reads the object's
+/// keys itself and digests only some of its entries.
+#[derive(Debug, Default, Clone, Copy)]
+pub struct ObjectDigest {
+    entries: u64,
+    sum: u64,
+}
+
+impl ObjectDigest {
+    /// Digests the entry `key` whose value `map` reads next.
+    pub fn entry<'de, A: MapAccess<'de>>(
+        &mut self,
+        key: &str,
+        map: &mut A,
+    ) -> Result<(), A::Error> {
+        let mut hasher = Xxh3::new();
+        let mut seed = DigestSeed(&mut hasher);
+        seed.bytes(11, key.as_bytes());
+        map.next_value_seed(seed)?;
+        self.entries += 1;
+        self.sum = self.sum.wrapping_add(hasher.digest());
+        Ok(())
+    }
+
+    /// Whether no entry was digested.
+    pub fn is_empty(&self) -> bool {
+        self.entries == 0
+    }
+
+    /// The digest of the entries so far.
+    pub fn digest(&self) -> u64 {
+        let mut hasher = Xxh3::new();
+        hasher.update(&self.entries.to_le_bytes());
+        hasher.update(&self.sum.to_le_bytes());
+        hasher.digest()
     }
 }
 
@@ -128,13 +169,17 @@ mod tests {
         let same = digest_json(r#"{"url":"data:image/png;base64,AAAA","detail":"auto"}"#).unwrap();
         let escaped =
             digest_json(r#"{"url":"data:image\/png;base64,AAAA","detail":"auto"}"#).unwrap();
+        let reordered =
+            digest_json(r#"{"detail":"auto","url":"data:image/png;base64,AAAA"}"#).unwrap();
         assert_eq!(a, same);
         assert_eq!(a, escaped);
+        assert_eq!(a, reordered);
         for other in [
             r#"{"url":"data:image/png;base64,AAAB","detail":"auto"}"#,
             r#"{"url":"data:image/png;base64,AAAA","detail":"low"}"#,
             r#"{"url":"data:image/png;base64,AAAA"}"#,
-            r#"{"detail":"auto","url":"data:image/png;base64,AAAA"}"#,
+            r#"{"url":"data:image/png;base64,AAAA","detail":"auto","x":null}"#,
+            r#"{"detail":"data:image/png;base64,AAAA","url":"auto"}"#,
             r#"["data:image/png;base64,AAAA","auto"]"#,
         ] {
             assert_ne!(a, digest_json(other).unwrap(), "{other}");

@@ -354,17 +354,26 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
+/// Part types whose content is text, and the field that holds it (as vLLM reads them).
+const TEXT_PARTS: [(&str, &str); 4] = [
+    ("text", "text"),
+    ("input_text", "text"),
+    ("refusal", "refusal"),
+    ("thinking", "thinking"),
+];
+
 /// One typed part of a chat message.
 #[derive(Debug, Clone, Serialize)]
 pub struct ContentPart {
     /// The part type, e.g. `text`.
     #[serde(rename = "type")]
     pub kind: String,
-    /// The text of a `text` part.
+    /// The text of a text part (`text`, `input_text`, `refusal`, `thinking`).
     pub text: Option<String>,
-    /// The digest of the part's other fields ([`crate::json_digest`]): an image's URL or its
-    /// inline data, an audio clip. Two images that differ give different digests, where their
-    /// messages' text alone would be the same. Not serialized: the content itself is not kept.
+    /// For any other part (an image, audio, video), the digest of its fields but its type
+    /// ([`crate::json_digest`]): an image's URL or its inline data. Two images that differ give
+    /// different digests, where their messages' text alone would be the same. Not serialized:
+    /// the content itself is not kept.
     #[serde(skip)]
     pub media: Option<u64>,
 }
@@ -383,26 +392,30 @@ impl<'de> Deserialize<'de> for ContentPart {
                 self,
                 mut map: A,
             ) -> Result<ContentPart, A::Error> {
-                let (mut kind, mut text) = (None, None);
-                let mut media: Option<xxhash_rust::xxh3::Xxh3> = None;
+                // The type may come after the content: the fields that can hold text are kept
+                // until it is known, every other one digested as it is read.
+                let mut kind: Option<String> = None;
+                let mut texts: [Option<String>; 3] = [None, None, None];
+                let mut media = crate::json_digest::ObjectDigest::default();
                 while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
                     match key.as_ref() {
-                        "type" => kind = Some(map.next_value::<String>()?),
-                        "text" => text = map.next_value::<Option<String>>()?,
-                        other => {
-                            let hasher = media.get_or_insert_with(xxhash_rust::xxh3::Xxh3::new);
-                            hasher.update(&(other.len() as u64).to_le_bytes());
-                            hasher.update(other.as_bytes());
-                            map.next_value_seed(crate::json_digest::DigestSeed(hasher))?;
-                        }
+                        "type" => kind = Some(map.next_value()?),
+                        "text" => texts[0] = map.next_value()?,
+                        "refusal" => texts[1] = map.next_value()?,
+                        "thinking" => texts[2] = map.next_value()?,
+                        other => media.entry(other, &mut map)?,
                     }
                 }
                 let kind = kind.ok_or_else(|| serde::de::Error::missing_field("type"))?;
-                Ok(ContentPart {
-                    kind,
-                    text,
-                    media: media.map(|h| h.digest()),
-                })
+                let field = TEXT_PARTS.iter().find(|(k, _)| *k == kind).map(|(_, f)| *f);
+                let text = match field {
+                    Some("text") => texts[0].take(),
+                    Some("refusal") => texts[1].take(),
+                    Some(_) => texts[2].take(),
+                    None => None,
+                };
+                let media = (field.is_none() && !media.is_empty()).then(|| media.digest());
+                Ok(ContentPart { kind, text, media })
             }
         }
         d.deserialize_map(PartVisitor)
@@ -441,8 +454,7 @@ pub fn render_chat(messages: &[ChatMessage]) -> String {
             Some(MessageContent::Parts(parts)) => {
                 let mut first = true;
                 for p in parts {
-                    let text = p.text.as_deref().filter(|_| p.kind == "text");
-                    let media = p.media.filter(|_| p.kind != "text");
+                    let (text, media) = (p.text.as_deref(), p.media);
                     if text.is_none() && media.is_none() {
                         continue;
                     }
@@ -491,17 +503,16 @@ mod tests {
         assert!(r.params.stream && r.params.include_usage() && !r.params.continuous_usage());
         assert_eq!(r.params.requested_max_tokens(), Some(7));
         let text = render_chat(&r.messages);
-        // The digest is of the part's fields other than its type: the key, then its value.
-        let mut h = xxhash_rust::xxh3::Xxh3::new();
-        h.update(&9u64.to_le_bytes());
-        h.update(b"image_url");
-        let mut de = serde_json::Deserializer::from_str(r#"{"url":"x"}"#);
-        serde::de::DeserializeSeed::deserialize(crate::json_digest::DigestSeed(&mut h), &mut de)
-            .unwrap();
-        let marker = format!("<|image_url:{:016x}|>", h.digest());
+        let marker = &text[text.find("<|image_url:").expect(&text)..];
+        assert_eq!(&marker[12 + 16..12 + 18], "|>", "{text}");
+        assert!(
+            marker[12..28].bytes().all(|b| b.is_ascii_hexdigit()),
+            "{text}"
+        );
         assert!(
             text.contains(&format!(
-                "<|end_header_id|>\n\nHi\n{marker}\nthere<|eot_id|>"
+                "<|end_header_id|>\n\nHi\n{}\nthere<|eot_id|>",
+                &marker[..30]
             )),
             "{text}"
         );
@@ -540,6 +551,26 @@ mod tests {
         )
         .unwrap();
         assert!(render_chat(&r.messages).contains("\n\na\nb<|eot_id|>"));
+        // Text parts of the other kinds vLLM reads as text, whichever comes first, type or text.
+        let r: ChatCompletionRequest = serde_json::from_str(
+            r#"{"messages":[{"role":"assistant","content":[{"type":"refusal","refusal":"no"},
+            {"type":"input_text","text":"x"},{"thinking":"hmm","type":"thinking"}]}]}"#,
+        )
+        .unwrap();
+        assert!(render_chat(&r.messages).contains("\n\nno\nx\nhmm<|eot_id|>"));
+        // The same image whose fields a client wrote in another order.
+        let part = |fields: &str| {
+            let body = format!(r#"{{"messages":[{{"role":"user","content":[{fields}]}}]}}"#);
+            render_chat(
+                &serde_json::from_str::<ChatCompletionRequest>(&body)
+                    .unwrap()
+                    .messages,
+            )
+        };
+        assert_eq!(
+            part(r#"{"type":"image_url","image_url":{"url":"u","detail":"low"}}"#),
+            part(r#"{"image_url":{"detail":"low","url":"u"},"type":"image_url"}"#)
+        );
         // A part without a type is not a part.
         assert!(
             serde_json::from_str::<ChatCompletionRequest>(
