@@ -8,7 +8,7 @@ client sees through the proxy is checked against what it sees without it, call b
   |----------------------|--------------------------------------------------------------------------|
   | models               | the same model ids                                                       |
   | chat, completions    | the same finish_reason and token counts, streamed and whole, and for a   |
-  |                      | chat message with an inline image                                        |
+  |                      | chat message with an inline image, and an agent's turn with tools        |
   | usage                | a stream that did not ask for usage gets none; one that asked gets it    |
   | errors               | the same exception class, status and message (unknown model, too long)   |
   | unknown route        | NotFoundError in the OpenAI error shape, from the proxy                  |
@@ -190,6 +190,34 @@ def check_calls(direct, proxy):
         return r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
 
     out["chat with an image"] = same("chat with an image", vision(direct), vision(proxy))
+
+    # An agent's turn: tool definitions, and a history with a tool call and its result.
+    def agent(c):
+        args = chat_args()
+        args["tools"] = [
+            {
+                "type": "function",
+                "function": {
+                    "name": "get_weather",
+                    "description": "The weather in a city",
+                    "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+                },
+            }
+        ]
+        args["messages"] += [
+            {
+                "role": "assistant",
+                "content": None,
+                "tool_calls": [
+                    {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city":"Oslo"}'}}
+                ],
+            },
+            {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 4 degrees"},
+        ]
+        r = c.chat.completions.create(**args)
+        return r.choices[0].finish_reason, r.usage.prompt_tokens, r.usage.completion_tokens
+
+    out["chat with tools and a tool call"] = same("chat with tools and a tool call", agent(direct), agent(proxy))
 
     for usage in (False, True):
         extra = {"stream_options": {"include_usage": True}} if usage else {}
