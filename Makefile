@@ -53,15 +53,13 @@ check-deploy: setup python-venv
 	$(DEPLOY_VENV)/bin/python scripts/check_deploy.py --headroom $(TARGET_DIR)/debug/headroom
 
 ## The official OpenAI clients through the proxy, call by call against the same client straight to
-## a simulated replica (docs/proxy.md#clients): Python's (PyPI `openai`, pinned, in
-## .cache/clients-venv) and Node's (npm `openai`, pinned by scripts/clients-node/package-lock.json;
+## a simulated replica (docs/proxy.md#clients): Python's (PyPI `openai` and its dependencies, pinned
+## by scripts/clients-requirements.txt, in .cache/clients-venv) and Node's (npm `openai`, pinned by scripts/clients-node/package-lock.json;
 ## Node.js and npm from apt when missing).
 CLIENTS_VENV := .cache/clients-venv
-OPENAI_VERSION := 3.63.0
 clients: setup python-venv
 	@[ -x $(CLIENTS_VENV)/bin/python ] || python3 -m venv $(CLIENTS_VENV)
-	@$(CLIENTS_VENV)/bin/python -c "import openai, sys; sys.exit(openai.__version__ != '$(OPENAI_VERSION)')" 2>/dev/null || \
-	  $(CLIENTS_VENV)/bin/pip install -q openai==$(OPENAI_VERSION)
+	@$(CLIENTS_VENV)/bin/pip install -q --disable-pip-version-check -r scripts/clients-requirements.txt
 	@{ command -v node && command -v npm; } >/dev/null 2>&1 || { \
 	  if [ "$$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi; \
 	  $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq --no-install-recommends nodejs npm; }
