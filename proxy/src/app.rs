@@ -771,6 +771,9 @@ fn answer_header(
     Some(resp)
 }
 
+/// How long a refused connection's close waits for the client to stop sending (at most).
+const LINGER: Duration = Duration::from_secs(2);
+
 fn request_id(session: &Session) -> String {
     session
         .req_header()
@@ -802,6 +805,7 @@ impl Headroom {
     /// within the write limit (over TLS the close is written too: close_notify).
     async fn close(&self, session: &mut Session, refusal: Option<ProxyError>, request_id: &str) {
         let limit = self.client_write_limit();
+        let answered = refusal.is_some();
         if let Some(e) = refusal {
             self.metrics
                 .proxy_errors
@@ -828,6 +832,11 @@ impl Headroom {
             self.account(&mut ctx);
         }
         let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
+        // Bytes the client sent behind what was refused (a body, a pipelined request) would make
+        // the close a reset, which can destroy the answer before the client reads it.
+        if answered && let Some(conn) = client_conn(session) {
+            conn.linger(LINGER).await;
+        }
     }
 
     fn new_ctx(&self) -> RequestCtx {

@@ -214,6 +214,9 @@ impl std::fmt::Debug for ClientConn {
     }
 }
 
+/// The most a lingering close reads and discards ([`ClientConn::linger`]).
+pub const LINGER_BYTES: usize = 16 << 20;
+
 impl ClientConn {
     /// `stream` whose first request's header has been bounded already (`header_pending` false)
     /// or must arrive within `limits.header` from now (`true`: a TLS connection).
@@ -336,6 +339,33 @@ impl ClientConn {
 
     fn is_aborted(&self) -> bool {
         self.aborted.load(Ordering::Acquire)
+    }
+
+    /// Reads and discards what the client still sends after the proxy has answered and shut its
+    /// own side, until the client closes its end, for at most `within` and [`LINGER_BYTES`]. A
+    /// socket closed with bytes unread is reset, and a reset can destroy the answer before the
+    /// client has read it (nginx's lingering close). Plaintext connections only: over TLS the
+    /// close_notify already went out, and the raw bytes are not at hand.
+    pub async fn linger(&self, within: Duration) {
+        let Inner::Plain(p) = &self.inner else {
+            return;
+        };
+        let deadline = tokio::time::Instant::now() + within;
+        // On the heap: the connection task's future stays small (refusals are rare).
+        let mut scratch = vec![0u8; 16 * 1024];
+        let mut discarded = 0;
+        while discarded < LINGER_BYTES {
+            match tokio::time::timeout_at(deadline, p.tcp.readable()).await {
+                Ok(Ok(())) => {}
+                _ => return,
+            }
+            match p.tcp.try_read(&mut scratch) {
+                Ok(0) => return,
+                Ok(n) => discarded += n,
+                Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => {}
+                Err(_) => return,
+            }
+        }
     }
 
     fn take_ctl(&mut self) {

@@ -96,6 +96,11 @@ async fn malformed_or_oversized_headers_never_reach_an_engine() {
         assert_eq!(status(&r), 400, "{bad:?}: {r}");
         assert!(closed, "{bad:?}");
     }
+    // With a large body behind it the answer still arrives: the proxy reads past what the client
+    // still sends before it closes, instead of a reset that could destroy the answer unread.
+    let (r, closed) = exchange(&h, &request("x-a: a\0b\r\n", &"x".repeat(4 << 20))).await;
+    assert_eq!(status(&r), 400, "{r}");
+    assert!(closed);
     // An unreadable request is answered as every other refusal is: the OpenAI error shape and
     // the reason, not the HTTP library's bare page.
     let (r, _) = exchange(&h, &request("x-a: a\0b\r\n", BODY)).await;
