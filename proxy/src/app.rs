@@ -924,6 +924,17 @@ impl Headroom {
             self.answer(&mut session, &mut ctx).await;
             self.log(&mut session, &mut ctx);
             let settings = HttpPersistentSettings::for_session(&session.downstream_session);
+            if !session.as_downstream_mut().is_body_done() && ctx.status >= 400 {
+                // Refused before its body was read (too large, a bad key, …), and so not kept
+                // alive: the client may still be sending that body, and a close with bytes unread
+                // would reset the connection under the answer.
+                let limit = self.client_write_limit();
+                let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
+                if let Some(conn) = client_conn(&session) {
+                    conn.linger(LINGER).await;
+                }
+                return;
+            }
             // A body not ended yet gets its end here (a last chunk pingora writes unbounded).
             let finished = tokio::time::timeout(
                 self.client_write_limit(),

@@ -204,6 +204,12 @@ async fn bodies_are_bounded_framed_once_and_json() {
     }
     let (r, _) = read_all(&mut tcp, Duration::from_secs(10)).await;
     assert_eq!(status(&r), 413, "{r}");
+    // A client that sends its whole body before reading still gets the 413, not a reset while it
+    // writes: the proxy reads past the rest before it closes.
+    let big = "x".repeat(4 << 20);
+    let (r, closed) = exchange(&h, &request("", &big)).await;
+    assert_eq!(status(&r), 413, "{r}");
+    assert!(closed);
 
     let bad_chunk = b"POST /v1/completions HTTP/1.1\r\nhost: a\r\nconnection: close\r\n\
                       transfer-encoding: chunked\r\n\r\n\
