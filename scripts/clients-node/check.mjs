@@ -54,6 +54,25 @@ for (const asked of [false, true]) {
   });
   out[`chat stream, usage ${asked ? 'asked' : 'not asked'}`] = await shape(stream);
 }
+const pixel = 'iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mP8z8BQDwAEhQGAhKmMIQAAAABJRU5ErkJggg==';
+const vision = await client.chat.completions.create({
+  model: MODEL, max_tokens: 12, ignore_eos: true,
+  messages: [{ role: 'user', content: [
+    { type: 'text', text: `What is in this image? ${canary}` },
+    { type: 'image_url', image_url: { url: `data:image/png;base64,${pixel}` } },
+  ] }],
+});
+out['chat with an image'] = [vision.choices[0].finish_reason, vision.usage.prompt_tokens, vision.usage.completion_tokens];
+const agent = await client.chat.completions.create({
+  model: MODEL, max_tokens: 12, ignore_eos: true,
+  tools: [{ type: 'function', function: { name: 'get_weather', parameters: { type: 'object', properties: { city: { type: 'string' } } } } }],
+  messages: [
+    ...messages(),
+    { role: 'assistant', content: null, tool_calls: [{ id: 'call_1', type: 'function', function: { name: 'get_weather', arguments: '{"city":"Oslo"}' } }] },
+    { role: 'tool', tool_call_id: 'call_1', content: 'Sunny, 4 degrees' },
+  ],
+});
+out['chat with tools and a tool call'] = [agent.choices[0].finish_reason, agent.usage.prompt_tokens, agent.usage.completion_tokens];
 const completion = await client.completions.create({ model: MODEL, prompt: `Once upon a time ${canary}`, max_tokens: 9, ignore_eos: true });
 out.completion = [completion.choices[0].finish_reason, completion.usage.prompt_tokens, completion.usage.completion_tokens];
 out['completion stream'] = await shape(
