@@ -284,6 +284,19 @@ async def check_concurrency(base, n):
     return f"{n} streams, each 12 tokens and finish_reason length"
 
 
+def expect_aborts_settled(replica_url, admin, aborts_before, aborted, who):
+    """After `who` aborted `aborted` streams: nothing left running on the replica or the proxy,
+    and each abort counted."""
+    eventually(
+        f"the replica's running requests back to 0 after {who}",
+        lambda: metric(get(replica_url + "/metrics"), "vllm:num_requests_running") == 0,
+        timeout=5,
+    )
+    eventually("headroom_open_requests back to 0", lambda: metric(get(admin + "/metrics"), "headroom_open_requests") == 0)
+    after = metric(get(admin + "/metrics"), "headroom_client_aborts_total")
+    expect(after == aborts_before + aborted, f"headroom_client_aborts_total {aborts_before} -> {after}, {aborted} aborted")
+
+
 def check_early_close(proxy, replica_url, admin):
     aborts = metric(get(admin + "/metrics"), "headroom_client_aborts_total")
     stream = proxy.chat.completions.create(**{**chat_args(stream=True), "max_tokens": 3000})
@@ -292,14 +305,7 @@ def check_early_close(proxy, replica_url, admin):
     eventually("the replica running the stream", lambda: metric(get(replica_url + "/metrics"), "vllm:num_requests_running") >= 1)
     stream.close()
     # 3,000 tokens at 5 ms would keep the replica busy 15 s more if the upstream request lived on.
-    eventually(
-        "the replica's running requests back to 0 after the client closed its stream",
-        lambda: metric(get(replica_url + "/metrics"), "vllm:num_requests_running") == 0,
-        timeout=5,
-    )
-    eventually("headroom_open_requests back to 0", lambda: metric(get(admin + "/metrics"), "headroom_open_requests") == 0)
-    after = metric(get(admin + "/metrics"), "headroom_client_aborts_total")
-    expect(after == aborts + 1, f"headroom_client_aborts_total {aborts} -> {after}")
+    expect_aborts_settled(replica_url, admin, aborts, 1, "the client closed its stream")
     return "closed after 3 chunks: the replica and the proxy back to 0 requests, one client abort counted"
 
 
@@ -320,14 +326,7 @@ def check_node(node_dir, streams, direct_url, proxy_url, admin):
         same(f"node: {key}", d[key], p.get(key))
     expect(p["chat stream, usage not asked"]["usage"] == [], f"node: usage not asked but received: {p}")
     expect(p["concurrent"] == {"complete": streams - streams // 2, "aborted": streams // 2}, f"node: {p['concurrent']}")
-    eventually(
-        "the replica's running requests back to 0 after the Node client's aborts",
-        lambda: metric(get(direct_url + "/metrics"), "vllm:num_requests_running") == 0,
-        timeout=5,
-    )
-    eventually("headroom_open_requests back to 0", lambda: metric(get(admin + "/metrics"), "headroom_open_requests") == 0)
-    after = metric(get(admin + "/metrics"), "headroom_client_aborts_total")
-    expect(after == aborts + streams // 2, f"headroom_client_aborts_total {aborts} -> {after}, {streams // 2} aborted")
+    expect_aborts_settled(direct_url, admin, aborts, streams // 2, "the Node client's aborts")
     version = json.loads((node_dir / "node_modules" / "openai" / "package.json").read_text())["version"]
     return (
         f"openai {version} on Node {subprocess.run(['node', '--version'], capture_output=True, text=True).stdout.strip()}: "

@@ -831,10 +831,20 @@ impl Headroom {
             ctx.request_id = request_id.to_owned();
             self.account(&mut ctx);
         }
+        if answered {
+            self.lingering_close(session).await;
+        } else {
+            let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
+        }
+    }
+
+    /// Shuts the proxy's side of a connection whose answer is written, then reads past what the
+    /// client still sends (a body, a pipelined request) until it stops ([`LINGER`] at most): a
+    /// close with bytes unread would reset the connection under the answer.
+    async fn lingering_close(&self, session: &mut Session) {
+        let limit = self.client_write_limit();
         let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
-        // Bytes the client sent behind what was refused (a body, a pipelined request) would make
-        // the close a reset, which can destroy the answer before the client reads it.
-        if answered && let Some(conn) = client_conn(session) {
+        if let Some(conn) = client_conn(session) {
             conn.linger(LINGER).await;
         }
     }
@@ -926,13 +936,8 @@ impl Headroom {
             let settings = HttpPersistentSettings::for_session(&session.downstream_session);
             if !session.as_downstream_mut().is_body_done() && ctx.status >= 400 {
                 // Refused before its body was read (too large, a bad key, …), and so not kept
-                // alive: the client may still be sending that body, and a close with bytes unread
-                // would reset the connection under the answer.
-                let limit = self.client_write_limit();
-                let _ = tokio::time::timeout(limit, session.downstream_session.shutdown()).await;
-                if let Some(conn) = client_conn(&session) {
-                    conn.linger(LINGER).await;
-                }
+                // alive: the client may still be sending that body.
+                self.lingering_close(&mut session).await;
                 return;
             }
             // A body not ended yet gets its end here (a last chunk pingora writes unbounded).

@@ -354,12 +354,14 @@ pub enum MessageContent {
     Parts(Vec<ContentPart>),
 }
 
-/// Part types whose content is text, and the field that holds it (as vLLM reads them).
-const TEXT_PARTS: [(&str, &str); 4] = [
-    ("text", "text"),
-    ("input_text", "text"),
-    ("refusal", "refusal"),
-    ("thinking", "thinking"),
+/// Fields of a content part that hold text.
+const TEXT_FIELDS: [&str; 3] = ["text", "refusal", "thinking"];
+/// Part types whose content is text, and which of [`TEXT_FIELDS`] holds it (as vLLM reads them).
+const TEXT_PARTS: [(&str, usize); 4] = [
+    ("text", 0),
+    ("input_text", 0),
+    ("refusal", 1),
+    ("thinking", 2),
 ];
 
 /// One typed part of a chat message.
@@ -395,25 +397,20 @@ impl<'de> Deserialize<'de> for ContentPart {
                 // The type may come after the content: the fields that can hold text are kept
                 // until it is known, every other one digested as it is read.
                 let mut kind: Option<String> = None;
-                let mut texts: [Option<String>; 3] = [None, None, None];
+                let mut texts: [Option<String>; TEXT_FIELDS.len()] = Default::default();
                 let mut media = crate::json_digest::ObjectDigest::default();
                 while let Some(key) = map.next_key::<std::borrow::Cow<'de, str>>()? {
-                    match key.as_ref() {
-                        "type" => kind = Some(map.next_value()?),
-                        "text" => texts[0] = map.next_value()?,
-                        "refusal" => texts[1] = map.next_value()?,
-                        "thinking" => texts[2] = map.next_value()?,
-                        other => media.entry(other, &mut map)?,
+                    if key == "type" {
+                        kind = Some(map.next_value()?);
+                    } else if let Some(i) = TEXT_FIELDS.iter().position(|f| *f == key) {
+                        texts[i] = map.next_value()?;
+                    } else {
+                        media.entry(&key, &mut map)?;
                     }
                 }
                 let kind = kind.ok_or_else(|| serde::de::Error::missing_field("type"))?;
-                let field = TEXT_PARTS.iter().find(|(k, _)| *k == kind).map(|(_, f)| *f);
-                let text = match field {
-                    Some("text") => texts[0].take(),
-                    Some("refusal") => texts[1].take(),
-                    Some(_) => texts[2].take(),
-                    None => None,
-                };
+                let field = TEXT_PARTS.iter().find(|(k, _)| *k == kind).map(|(_, i)| *i);
+                let text = field.and_then(|i| texts[i].take());
                 let media = (field.is_none() && !media.is_empty()).then(|| media.digest());
                 Ok(ContentPart { kind, text, media })
             }
